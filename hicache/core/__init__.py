@@ -1,0 +1,1 @@
+"""The pure core: deterministic state machines with no I/O, clock, threads, trio or torch."""

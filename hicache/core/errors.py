@@ -1,0 +1,17 @@
+"""Errors raised by the core: each names what was wrong and where, so a driver can report it."""
+
+
+class CoreError(Exception):
+    """Base class of every error the core raises."""
+
+
+class PoolError(CoreError):
+    """A slot was used against the pool's ownership rules (double free, wrong owner, unknown slot)."""
+
+
+class LockError(CoreError):
+    """A lock or pin receipt was released twice or does not belong to this tree."""
+
+
+class PolicyError(CoreError, ValueError):
+    """An unknown policy name or an invalid policy parameter."""

@@ -1,0 +1,64 @@
+"""One node of the tiered radix tree: a run of pages with the tiers that hold them."""
+
+from __future__ import annotations
+
+
+class TreeNode:
+    """A run of consecutive pages identified by their chained page keys.
+
+    `device` / `host` hold one slot per page in L1 / L2, or None when the tier does not hold
+    the run. `host_pending` marks host slots whose copy from L1 is still in flight (not yet
+    valid as a source). `lock_ref` protects the L1 slots of this node (every lock covers the
+    path from its node to the root); `host_ref` protects the L2 slots the same way.
+    """
+
+    __slots__ = (
+        "id",
+        "keys",
+        "parent",
+        "children",
+        "device",
+        "host",
+        "host_pending",
+        "in_l3",
+        "lock_ref",
+        "host_ref",
+        "hit_count",
+        "last_access",
+        "created",
+        "priority",
+        "dev_children",
+        "ops",
+        "evict_after_backup",
+        "l1_ver",
+        "l2_ver",
+    )
+
+    def __init__(self, node_id: int, keys: list[int], parent: TreeNode | None, created: int) -> None:
+        self.id = node_id
+        self.keys = keys
+        self.parent = parent
+        self.children: dict[int, TreeNode] = {}
+        self.device: list[int] | None = None
+        self.host: list[int] | None = None
+        self.host_pending = False
+        self.in_l3 = False
+        self.lock_ref = 0
+        self.host_ref = 0
+        self.hit_count = 0
+        self.last_access = 0.0
+        self.created = created
+        self.priority = 0
+        self.dev_children = 0  # children that hold device slots: a device leaf has none
+        self.ops: set[int] = set()  # in-flight backup/store operations covering this node
+        self.evict_after_backup = False
+        self.l1_ver = 0  # bumped on every L1 eviction-heap push; stale heap entries are skipped
+        self.l2_ver = 0
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.keys)
+
+    def __repr__(self) -> str:
+        tiers = "".join(t for t, on in (("D", self.device), ("H", self.host)) if on is not None)
+        return f"TreeNode(#{self.id}, pages={len(self.keys)}, tiers={tiers or '-'}, lock={self.lock_ref})"

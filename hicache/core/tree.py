@@ -1,0 +1,662 @@
+"""The tiered radix tree: which pages of which prefixes L1 and L2 hold, and what to evict.
+
+Nodes hold runs of chained page keys; a child is found by the key of its first page in O(1).
+The tree decides and records; the copies it needs (backups L1->L2, stores L2->L3) leave it as
+commands in `outbox`, and their completions come back through `backup_done` / `store_done`.
+
+Invariants (checked by `check`, property-tested):
+- every node except the root holds its pages on L1, on L2, or on both;
+- nodes holding L1 slots form a root-connected prefix of every path, and so do nodes
+  holding L2 slots;
+- `lock_ref > 0` nodes keep their L1 slots; `host_ref > 0` nodes keep their L2 slots;
+- every slot the tree holds is owned by the tree in its pool, and by one node only.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable, Sequence
+
+import attrs
+import numpy as np
+
+from hicache.core.commands import Backup, Command, Store
+from hicache.core.errors import CoreError, LockError
+from hicache.core.eviction import EvictionPolicy, eviction_policy
+from hicache.core.node import TreeNode
+from hicache.core.pool import Owner, SlotPool
+from hicache.core.prefix_match import DecodePrefixMatch
+from hicache.core.receipts import HostPin, LockReceipt
+from hicache.core.write_policy import WritePolicy
+
+TREE: Owner = "tree"
+"""The pool owner of every slot held by a tree node."""
+
+_tree_ids = itertools.count(1)
+
+
+@attrs.define(slots=True)
+class TreeStats:
+    """Counters the tree keeps, in pages; drivers add time."""
+
+    matched_device: int = 0
+    matched_host: int = 0
+    inserted: int = 0
+    demoted: int = 0
+    dropped: int = 0
+    host_evicted: int = 0
+    backed_up: int = 0
+    backup_failed: int = 0
+    stored: int = 0
+    splits: int = 0
+
+
+@attrs.frozen(slots=True)
+class InsertResult:
+    """What an insert did with the caller's slots, in pages."""
+
+    cached_pages: int  # already on L1: the caller's duplicate slots were freed
+    adopted_pages: int  # taken over by the tree (new nodes, or host-only nodes back on L1)
+
+
+@attrs.frozen(slots=True)
+class EvictResult:
+    """Pages freed now, pages that free when a pending backup completes, and the keys affected."""
+
+    freed: int
+    pending: int
+    demoted_keys: list[int]  # left L1, still on L2
+    dropped_keys: list[int]  # left the tree
+
+
+@attrs.frozen(slots=True)
+class BackupResult:
+    """Keys whose L2 copies became valid, and those of them that then left L1 (write-back)."""
+
+    backed_keys: list[int]
+    demoted_keys: list[int]
+
+
+class TieredRadixTree:
+    """A page-granular radix tree over an L1 (device) pool and an L2 (host) pool."""
+
+    def __init__(
+        self,
+        device_pool: SlotPool,
+        host_pool: SlotPool,
+        *,
+        eviction: str = "lru",
+        write_policy: str | WritePolicy = "write_through",
+        store_to_l3: bool = False,
+        on_host_evict: Callable[[list[int]], None] | None = None,
+    ) -> None:
+        self.device_pool = device_pool
+        self.host_pool = host_pool
+        self.eviction_name = eviction
+        self._priority: EvictionPolicy = eviction_policy(eviction)
+        self.write_policy = WritePolicy.parse(write_policy)
+        self.store_to_l3 = store_to_l3
+        self.on_host_evict = on_host_evict  # told the keys of every page that leaves L2
+        self.id = next(_tree_ids)
+        self._node_ids = itertools.count(1)
+        self._created = itertools.count()
+        self.root = TreeNode(0, [], None, next(self._created))
+        self.num_nodes = 0
+        self.outbox: list[Command] = []
+        self.stats = TreeStats()
+        self._l1_heap: list[tuple[tuple[float, ...], int, int, TreeNode]] = []
+        self._l2_heap: list[tuple[tuple[float, ...], int, int, TreeNode]] = []
+        self._ops = itertools.count(1)
+        self._op_nodes: dict[int, list[TreeNode]] = {}
+        self._store_ops: set[int] = set()
+        self._serials = itertools.count(1)
+        self._locks: dict[int, LockReceipt] = {}
+        self._pins: dict[int, HostPin] = {}
+
+    # ------------------------------------------------------------------ commands
+
+    def drain(self) -> list[Command]:
+        """Take the commands emitted so far."""
+        out, self.outbox = self.outbox, []
+        return out
+
+    # ------------------------------------------------------------------ match
+
+    def match(self, keys: Sequence[int] | np.ndarray, now: float) -> DecodePrefixMatch:
+        """Match `keys` (chained page keys) against L1 then L2, splitting a node where the
+        match ends inside it so the anchors are exact. Counts a use of every matched node."""
+        if isinstance(keys, np.ndarray):
+            keys = keys.tolist()
+        n = len(keys)
+        i = 0
+        node = self.root
+        device_node = self.root
+        device_pages = 0
+        device_slots: list[int] = []
+        host_slots: list[int] = []
+        while i < n:
+            child = node.children.get(keys[i])
+            if child is None:
+                break
+            ck = child.keys
+            size = len(ck)
+            if not (i + size <= n and ck[-1] == keys[i + size - 1] and ck == keys[i : i + size]):
+                size = _common_prefix(ck, keys, i)
+                child = self._split(child, size)
+            node = child
+            i += size
+            node.hit_count += 1
+            self._touch(node, now)
+            if node.device is not None:
+                device_slots.extend(node.device)
+                device_node = node
+                device_pages = i
+            else:
+                host_slots.extend(node.host)  # type: ignore[arg-type]  # every node holds a tier
+        self.stats.matched_device += device_pages
+        self.stats.matched_host += i - device_pages
+        if self.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE:
+            self._backup_hot(device_node)
+        return DecodePrefixMatch(
+            query_pages=n,
+            device_pages=device_pages,
+            host_pages=i - device_pages,
+            device_slots=device_slots,
+            host_slots=host_slots,
+            device_node=device_node,
+            host_node=node,
+        )
+
+    # ------------------------------------------------------------------ insert
+
+    def insert(
+        self,
+        keys: Sequence[int] | np.ndarray,
+        device_slots: Sequence[int],
+        owner: Owner,
+        now: float,
+        priority: int = 0,
+    ) -> InsertResult:
+        """Insert a finished sequence whose KV sits in `device_slots` (one per page, owned by
+        `owner`). The tree adopts the slots of pages it lacks on L1 and frees the duplicates,
+        so `owner` holds none of them afterwards."""
+        if isinstance(keys, np.ndarray):
+            keys = keys.tolist()
+        n = len(keys)
+        if len(device_slots) != n:
+            raise CoreError(f"insert: {n} page keys but {len(device_slots)} device slots")
+        device_slots = list(device_slots)
+        # Validate everything before changing anything: the pages already on L1 may be passed
+        # as the tree's own slots (the request's locked prefix) or as the caller's duplicates.
+        held = self._device_prefix(keys)
+        for j, s in enumerate(device_slots):
+            if j < len(held) and s == held[j]:
+                continue
+            if not (0 <= s < self.device_pool.capacity) or self.device_pool.owner_of(s) != owner:
+                raise CoreError(f"insert: slot {s} for page {j} is not owned by {owner!r}")
+        if len(set(device_slots)) != n:
+            raise CoreError("insert: a device slot is given for two pages")
+        node = self.root
+        i = 0
+        cached = 0
+        duplicates: list[int] = []
+        while i < n:
+            child = node.children.get(keys[i])
+            if child is None:
+                break
+            ck = child.keys
+            size = len(ck)
+            if not (i + size <= n and ck[-1] == keys[i + size - 1] and ck == keys[i : i + size]):
+                size = _common_prefix(ck, keys, i)
+                child = self._split(child, size)
+            node = child
+            if node.device is not None:
+                duplicates.extend(
+                    s for s, t in zip(device_slots[i : i + size], node.device, strict=True) if s != t
+                )
+                cached += size
+            else:
+                self._give_device(node, device_slots[i : i + size], owner)
+            node.priority = max(node.priority, priority)
+            self._touch(node, now)
+            i += size
+        if i < n:
+            leaf = TreeNode(next(self._node_ids), keys[i:], node, next(self._created))
+            leaf.hit_count = 1
+            leaf.priority = priority
+            leaf.last_access = now
+            node.children[keys[i]] = leaf
+            self.num_nodes += 1
+            self._give_device(leaf, device_slots[i:], owner)
+            node = leaf
+        if duplicates:
+            self.device_pool.free(duplicates, owner)
+        self.stats.inserted += n - cached
+        if self.write_policy is WritePolicy.WRITE_THROUGH:
+            self._backup_path(node)
+        elif self.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE:
+            self._backup_hot(node)
+        return InsertResult(cached_pages=cached, adopted_pages=n - cached)
+
+    def _device_prefix(self, keys: list[int]) -> list[int]:
+        """The L1 slots of the longest prefix of `keys` that L1 holds (nothing is split)."""
+        node = self.root
+        slots: list[int] = []
+        i = 0
+        n = len(keys)
+        while i < n:
+            child = node.children.get(keys[i])
+            if child is None or child.device is None:
+                break
+            size = _common_prefix(child.keys, keys, i)
+            slots.extend(child.device[:size])
+            i += size
+            if size < len(child.keys):
+                break
+            node = child
+        return slots
+
+    def _give_device(self, node: TreeNode, slots: list[int], owner: Owner) -> None:
+        self.device_pool.transfer(slots, owner, TREE)
+        node.device = slots
+        parent = node.parent
+        if parent is not None:
+            parent.dev_children += 1
+        self._push_l1(node)
+
+    # ------------------------------------------------------------------ locks and pins
+
+    def lock(self, node: TreeNode) -> LockReceipt:
+        """Protect the L1 slots of `node` and its ancestors until the receipt is unlocked."""
+        if node is not self.root and node.device is None:
+            raise LockError(f"lock: {node!r} holds no L1 slots")
+        receipt = LockReceipt(self.id, next(self._serials), node)
+        self._locks[receipt.serial] = receipt
+        while node is not self.root:
+            node.lock_ref += 1
+            node = node.parent  # type: ignore[assignment]
+        return receipt
+
+    def unlock(self, receipt: LockReceipt) -> None:
+        if receipt.tree_id != self.id or self._locks.pop(receipt.serial, None) is not receipt:
+            raise LockError(f"unlock: lock receipt #{receipt.serial} is not held on this tree")
+        node = receipt.node
+        while node is not self.root:
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self._push_l1(node)
+            node = node.parent  # type: ignore[assignment]
+
+    def pin_host(self, node: TreeNode) -> HostPin:
+        """Protect the L2 slots of `node` and its ancestors until the pin is released."""
+        if node is not self.root and node.host is None:
+            raise LockError(f"pin_host: {node!r} holds no L2 slots")
+        pin = HostPin(self.id, next(self._serials), node)
+        self._pins[pin.serial] = pin
+        while node is not self.root:
+            node.host_ref += 1
+            node = node.parent  # type: ignore[assignment]
+        return pin
+
+    def unpin_host(self, pin: HostPin) -> None:
+        if pin.tree_id != self.id or self._pins.pop(pin.serial, None) is not pin:
+            raise LockError(f"unpin_host: host pin #{pin.serial} is not held on this tree")
+        node = pin.node
+        while node is not self.root:
+            node.host_ref -= 1
+            if node.host_ref == 0:
+                self._push_l2(node)
+            node = node.parent  # type: ignore[assignment]
+
+    @property
+    def live_locks(self) -> list[LockReceipt]:
+        return list(self._locks.values())
+
+    @property
+    def live_pins(self) -> list[HostPin]:
+        return list(self._pins.values())
+
+    # ------------------------------------------------------------------ eviction
+
+    def evict_device(self, pages: int) -> EvictResult:
+        """Free at least `pages` L1 pages if the unlocked leaves allow, lowest priority first.
+
+        A backed-up leaf is demoted to L2 only; one that is not is dropped, or under
+        `write_back` backed up first (its slots then free when the backup completes)."""
+        freed = pending = 0
+        demoted: list[int] = []
+        dropped: list[int] = []
+        heap = self._l1_heap
+        while freed + pending < pages and heap:
+            _, ver, _, node = heapq.heappop(heap)
+            if ver != node.l1_ver or not self._l1_evictable(node):
+                continue
+            size = len(node.keys)
+            if node.host is not None:
+                self._demote(node)
+                demoted.extend(node.keys)
+                freed += size
+            elif self.write_policy is WritePolicy.WRITE_BACK and self._backup_path(node):
+                node.evict_after_backup = True
+                pending += size
+            else:
+                dropped.extend(node.keys)
+                self._drop(node)
+                freed += size
+        return EvictResult(freed, pending, demoted, dropped)
+
+    def evict_host(self, pages: int) -> EvictResult:
+        """Free at least `pages` L2 pages from unpinned host-only leaves, lowest priority first."""
+        freed = 0
+        dropped: list[int] = []
+        heap = self._l2_heap
+        while freed < pages and heap:
+            _, ver, _, node = heapq.heappop(heap)
+            if ver != node.l2_ver or not self._l2_evictable(node):
+                continue
+            freed += len(node.keys)
+            dropped.extend(node.keys)
+            self.host_pool.free(node.host, TREE)  # type: ignore[arg-type]
+            node.host = None
+            self.stats.host_evicted += len(node.keys)
+            self._remove(node)
+        if dropped and self.on_host_evict is not None:
+            self.on_host_evict(dropped)
+        return EvictResult(freed, 0, [], dropped)
+
+    def _l1_evictable(self, node: TreeNode) -> bool:
+        return (
+            node.device is not None
+            and node.lock_ref == 0
+            and node.dev_children == 0
+            and not node.host_pending
+            and node.parent is not None
+        )
+
+    def _l2_evictable(self, node: TreeNode) -> bool:
+        return (
+            node.device is None
+            and node.host is not None
+            and node.host_ref == 0
+            and not node.children
+            and not node.ops
+            and node.parent is not None
+        )
+
+    def _demote(self, node: TreeNode) -> None:
+        self.device_pool.free(node.device, TREE)  # type: ignore[arg-type]
+        node.device = None
+        node.evict_after_backup = False
+        self.stats.demoted += len(node.keys)
+        parent = node.parent
+        assert parent is not None
+        parent.dev_children -= 1
+        if parent is not self.root:
+            self._push_l1(parent)
+        if not node.children:
+            self._push_l2(node)
+
+    def _drop(self, node: TreeNode) -> None:
+        self.device_pool.free(node.device, TREE)  # type: ignore[arg-type]
+        node.device = None
+        parent = node.parent
+        assert parent is not None
+        parent.dev_children -= 1
+        self.stats.dropped += len(node.keys)
+        self._remove(node)
+
+    def _remove(self, node: TreeNode) -> None:
+        parent = node.parent
+        assert parent is not None and not node.children
+        del parent.children[node.keys[0]]
+        node.parent = None
+        self.num_nodes -= 1
+        if parent is not self.root:
+            self._push_l1(parent)
+            self._push_l2(parent)
+
+    # ------------------------------------------------------------------ backup and store
+
+    def _backup_hot(self, node: TreeNode) -> None:
+        """Under `write_through_selective`: back up the deepest node on the path used twice."""
+        threshold = self.write_policy.hit_threshold
+        assert threshold is not None
+        while node is not self.root and node.hit_count < threshold:
+            node = node.parent  # type: ignore[assignment]
+        if node is not self.root:
+            self._backup_path(node)
+
+    def _backup_path(self, node: TreeNode) -> bool:
+        """Back up `node` and its ancestors lacking L2 copies, in one command, keeping the
+        host-backed nodes root-connected. False when L2 cannot make room."""
+        chain: list[TreeNode] = []
+        while node is not self.root and node.host is None:
+            chain.append(node)
+            node = node.parent  # type: ignore[assignment]
+        if not chain:
+            return True
+        chain.reverse()
+        total = sum(len(n.keys) for n in chain)
+        host = self.host_pool.alloc(total, TREE)
+        if host is None:
+            self.evict_host(total - self.host_pool.num_free)
+            host = self.host_pool.alloc(total, TREE)
+            if host is None:
+                self.stats.backup_failed += total
+                return False
+        op = next(self._ops)
+        device: list[int] = []
+        start = 0
+        for n in chain:
+            size = len(n.keys)
+            n.host = host[start : start + size]
+            start += size
+            n.host_pending = True
+            n.ops.add(op)
+            device.extend(n.device)  # type: ignore[arg-type]  # unbacked nodes are on L1
+        self._op_nodes[op] = chain
+        self.outbox.append(Backup(op, tuple(device), tuple(host)))
+        return True
+
+    def backup_done(self, op: int) -> BackupResult:
+        """A `Backup` completed: its L2 copies are valid, and write-back victims leave L1."""
+        if op in self._store_ops or op not in self._op_nodes:
+            raise CoreError(f"backup_done: no backup #{op} is in flight")
+        nodes = self._op_nodes.pop(op)
+        keys: list[int] = []
+        for n in nodes:
+            n.ops.discard(op)
+            n.host_pending = False
+            keys.extend(n.keys)
+            self._push_l1(n)
+        self.stats.backed_up += len(keys)
+        demoted: list[int] = []
+        for n in nodes:
+            if n.evict_after_backup and self._l1_evictable(n):
+                self._demote(n)
+                demoted.extend(n.keys)
+            n.evict_after_backup = False
+        if self.store_to_l3:
+            self._store([n for n in nodes if not n.in_l3])
+        return BackupResult(keys, demoted)
+
+    def _store(self, nodes: list[TreeNode]) -> None:
+        if not nodes:
+            return
+        op = next(self._ops)
+        keys: list[int] = []
+        host: list[int] = []
+        for n in nodes:
+            n.ops.add(op)
+            keys.extend(n.keys)
+            host.extend(n.host)  # type: ignore[arg-type]
+        self._op_nodes[op] = nodes
+        self._store_ops.add(op)
+        self.outbox.append(Store(op, tuple(keys), tuple(host)))
+
+    def store_done(self, op: int) -> list[int]:
+        """A `Store` completed: its pages are in L3. Returns their keys."""
+        if op not in self._store_ops:
+            raise CoreError(f"store_done: no store #{op} is in flight")
+        self._store_ops.discard(op)
+        keys: list[int] = []
+        for n in self._op_nodes.pop(op):
+            n.ops.discard(op)
+            n.in_l3 = True
+            keys.extend(n.keys)
+            self._push_l2(n)
+        self.stats.stored += len(keys)
+        return keys
+
+    @property
+    def ops_in_flight(self) -> list[int]:
+        return sorted(self._op_nodes)
+
+    # ------------------------------------------------------------------ structure
+
+    def _split(self, node: TreeNode, k: int) -> TreeNode:
+        """Cut `node` after its first `k` pages; return the new node holding them (the parent
+        of the rest). The original object stays as the deeper half, so receipts stay valid."""
+        parent = node.parent
+        assert parent is not None and 0 < k < len(node.keys)
+        new = TreeNode(next(self._node_ids), node.keys[:k], parent, node.created)
+        node.keys = node.keys[k:]
+        if node.device is not None:
+            new.device = node.device[:k]
+            node.device = node.device[k:]
+            new.dev_children = 1
+        if node.host is not None:
+            new.host = node.host[:k]
+            node.host = node.host[k:]
+        new.host_pending = node.host_pending
+        new.in_l3 = node.in_l3
+        new.lock_ref = node.lock_ref
+        new.host_ref = node.host_ref
+        new.hit_count = node.hit_count
+        new.last_access = node.last_access
+        new.priority = node.priority
+        new.ops = set(node.ops)
+        for op in node.ops:
+            self._op_nodes[op].append(new)
+        parent.children[new.keys[0]] = new
+        new.children[node.keys[0]] = node
+        node.parent = new
+        self.num_nodes += 1
+        self.stats.splits += 1
+        return new
+
+    def _touch(self, node: TreeNode, now: float) -> None:
+        node.last_access = now
+        if node.device is not None:
+            self._push_l1(node)
+        elif not node.children:
+            self._push_l2(node)
+
+    def _push_l1(self, node: TreeNode) -> None:
+        node.l1_ver += 1
+        heapq.heappush(self._l1_heap, (self._priority(node), node.l1_ver, node.id, node))
+        if len(self._l1_heap) > 4 * self.num_nodes + 1024:
+            self._l1_heap = self._rebuild(self._l1_heap, "l1_ver")
+
+    def _push_l2(self, node: TreeNode) -> None:
+        node.l2_ver += 1
+        heapq.heappush(self._l2_heap, (self._priority(node), node.l2_ver, node.id, node))
+        if len(self._l2_heap) > 4 * self.num_nodes + 1024:
+            self._l2_heap = self._rebuild(self._l2_heap, "l2_ver")
+
+    @staticmethod
+    def _rebuild(heap: list, ver: str) -> list:
+        """Drop superseded entries so the lazy heap stays proportional to the tree."""
+        live = [e for e in heap if e[1] == getattr(e[3], ver) and e[3].parent is not None]
+        heapq.heapify(live)
+        return live
+
+    def nodes(self) -> list[TreeNode]:
+        """All nodes but the root, parents before children."""
+        out: list[TreeNode] = []
+        stack = list(self.root.children.values())
+        while stack:
+            n = stack.pop()
+            out.append(n)
+            stack.extend(n.children.values())
+        return out
+
+    @property
+    def device_pages(self) -> int:
+        return sum(len(n.keys) for n in self.nodes() if n.device is not None)
+
+    @property
+    def host_pages(self) -> int:
+        return sum(len(n.keys) for n in self.nodes() if n.host is not None)
+
+    def check(self) -> None:
+        """Verify every structural invariant; raise CoreError naming the first one broken."""
+        dev_seen: set[int] = set()
+        host_seen: set[int] = set()
+        lock_expect: dict[int, int] = {}
+        pin_expect: dict[int, int] = {}
+        for receipts, expect in ((self._locks, lock_expect), (self._pins, pin_expect)):
+            for r in receipts.values():
+                n = r.node
+                while n is not self.root:
+                    if n.parent is None:
+                        raise CoreError(f"receipt #{r.serial} holds {n!r}, which left the tree")
+                    expect[n.id] = expect.get(n.id, 0) + 1
+                    n = n.parent
+        count = 0
+        stack = [(c, self.root) for c in self.root.children.values()]
+        while stack:
+            n, parent = stack.pop()
+            count += 1
+            where = f"tree check: {n!r}"
+            if n.parent is not parent or parent.children.get(n.keys[0]) is not n:
+                raise CoreError(f"{where}: parent link broken")
+            if not n.keys:
+                raise CoreError(f"{where}: holds no pages")
+            if n.device is None and n.host is None:
+                raise CoreError(f"{where}: held by no tier")
+            for slots, seen, name in ((n.device, dev_seen, "L1"), (n.host, host_seen, "L2")):
+                if slots is None:
+                    continue
+                if len(slots) != len(n.keys):
+                    raise CoreError(f"{where}: {len(slots)} {name} slots for {len(n.keys)} pages")
+                for s in slots:
+                    if s in seen:
+                        raise CoreError(f"{where}: {name} slot {s} held by two nodes")
+                    seen.add(s)
+            if n.device is not None and parent is not self.root and parent.device is None:
+                raise CoreError(f"{where}: on L1 below a parent that is not")
+            if n.host is not None and parent is not self.root and parent.host is None:
+                raise CoreError(f"{where}: on L2 below a parent that is not")
+            if n.host_pending and n.device is None:
+                raise CoreError(f"{where}: backup pending without its L1 source")
+            if n.lock_ref != lock_expect.get(n.id, 0):
+                raise CoreError(f"{where}: lock_ref {n.lock_ref}, receipts say {lock_expect.get(n.id, 0)}")
+            if n.host_ref != pin_expect.get(n.id, 0):
+                raise CoreError(f"{where}: host_ref {n.host_ref}, pins say {pin_expect.get(n.id, 0)}")
+            if n.lock_ref and n.device is None:
+                raise CoreError(f"{where}: locked but not on L1")
+            dc = sum(1 for c in n.children.values() if c.device is not None)
+            if dc != n.dev_children:
+                raise CoreError(f"{where}: dev_children {n.dev_children}, actual {dc}")
+            stack.extend((c, n) for c in n.children.values())
+        if count != self.num_nodes:
+            raise CoreError(f"tree check: num_nodes {self.num_nodes}, found {count}")
+        for pool, seen in ((self.device_pool, dev_seen), (self.host_pool, host_seen)):
+            pool.check()
+            owned = set(pool.owned_by(TREE))
+            if owned != seen:
+                raise CoreError(
+                    f"tree check: {pool.name} pool gives the tree {len(owned)} slots, nodes hold {len(seen)}"
+                )
+
+
+def _common_prefix(node_keys: list[int], keys: list[int], start: int) -> int:
+    """Pages of `node_keys` equal to `keys[start:]` from the beginning (at least 1: the child
+    was found by its first key)."""
+    limit = min(len(node_keys), len(keys) - start)
+    k = 1
+    while k < limit and node_keys[k] == keys[start + k]:
+        k += 1
+    return k

@@ -1,0 +1,1 @@
+"""Workloads (installed as `hicache.scenarios`): trace readers, generators and scenario files."""
