@@ -20,7 +20,7 @@ class SlotPool:
     __slots__ = ("name", "capacity", "_free", "_owner")
 
     def __init__(self, name: str, capacity: int) -> None:
-        if not isinstance(capacity, int) or capacity < 0:
+        if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 0:
             raise ValueError(f"{name} pool: capacity must be an integer >= 0 pages, got {capacity!r}")
         self.name = name
         self.capacity = capacity
@@ -64,10 +64,11 @@ class SlotPool:
             own[s] = None
         self._free.extend(reversed(slots))
 
-    def transfer(self, slots: Sequence[int], src: Owner, dst: Owner) -> None:
+    def transfer(self, slots: Iterable[int], src: Owner, dst: Owner) -> None:
         """Move ownership of `slots` from `src` to `dst` (e.g. a request's KV adopted by the tree)."""
         if dst is None:
             raise PoolError(f"{self.name} pool: transfer needs a destination owner")
+        slots = list(slots)
         self._check_owned(slots, src, "transfer")
         own = self._owner
         for s in slots:

@@ -327,9 +327,9 @@ class TieredRadixTree:
         freed = pending = 0
         demoted: list[int] = []
         dropped: list[int] = []
-        heap = self._l1_heap
-        while freed + pending < pages and heap:
-            _, ver, _, node = heapq.heappop(heap)
+        # Read the heap attribute each time: a push below may rebuild it into a new list.
+        while freed + pending < pages and self._l1_heap:
+            _, ver, _, node = heapq.heappop(self._l1_heap)
             if ver != node.l1_ver or not self._l1_evictable(node):
                 continue
             size = len(node.keys)
@@ -350,9 +350,8 @@ class TieredRadixTree:
         """Free at least `pages` L2 pages from unpinned host-only leaves, lowest priority first."""
         freed = 0
         dropped: list[int] = []
-        heap = self._l2_heap
-        while freed < pages and heap:
-            _, ver, _, node = heapq.heappop(heap)
+        while freed < pages and self._l2_heap:
+            _, ver, _, node = heapq.heappop(self._l2_heap)
             if ver != node.l2_ver or not self._l2_evictable(node):
                 continue
             freed += len(node.keys)
@@ -463,7 +462,7 @@ class TieredRadixTree:
         """A `Backup` completed: its L2 copies are valid, and write-back victims leave L1."""
         if op in self._store_ops or op not in self._op_nodes:
             raise CoreError(f"backup_done: no backup #{op} is in flight")
-        nodes = self._op_nodes.pop(op)
+        nodes = self._path_order(self._op_nodes.pop(op))
         keys: list[int] = []
         for n in nodes:
             n.ops.discard(op)
@@ -472,7 +471,7 @@ class TieredRadixTree:
             self._push_l1(n)
         self.stats.backed_up += len(keys)
         demoted: list[int] = []
-        for n in nodes:
+        for n in reversed(nodes):  # deepest first: a parent is a leaf once its child is demoted
             if n.evict_after_backup and self._l1_evictable(n):
                 self._demote(n)
                 demoted.extend(n.keys)
@@ -501,13 +500,26 @@ class TieredRadixTree:
             raise CoreError(f"store_done: no store #{op} is in flight")
         self._store_ops.discard(op)
         keys: list[int] = []
-        for n in self._op_nodes.pop(op):
+        for n in self._path_order(self._op_nodes.pop(op)):
             n.ops.discard(op)
             n.in_l3 = True
             keys.extend(n.keys)
             self._push_l2(n)
         self.stats.stored += len(keys)
         return keys
+
+    def _path_order(self, nodes: list[TreeNode]) -> list[TreeNode]:
+        """`nodes` of one operation in the order of its command's pages (root side first), also
+        after a split added the upper half of a node to the end of the list."""
+
+        def depth(n: TreeNode) -> int:
+            d = 0
+            while n.parent is not None:
+                d += 1
+                n = n.parent
+            return d
+
+        return sorted(nodes, key=depth)
 
     @property
     def ops_in_flight(self) -> list[int]:
@@ -536,6 +548,7 @@ class TieredRadixTree:
         new.hit_count = node.hit_count
         new.last_access = node.last_access
         new.priority = node.priority
+        new.evict_after_backup = node.evict_after_backup
         new.ops = set(node.ops)
         for op in node.ops:
             self._op_nodes[op].append(new)
