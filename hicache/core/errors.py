@@ -15,3 +15,13 @@ class LockError(CoreError):
 
 class PolicyError(CoreError, ValueError):
     """An unknown policy name or an invalid policy parameter."""
+
+
+class TransitionError(CoreError):
+    """An event that the request's state does not accept; names the request, state and event."""
+
+    def __init__(self, req: str, state: str, event: str) -> None:
+        super().__init__(f"request {req!r} in state {state} cannot take {event}")
+        self.req = req
+        self.state = state
+        self.event = event

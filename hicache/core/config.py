@@ -1,0 +1,79 @@
+"""Configuration of a decode node's core: tier sizes, policies and the driver's estimates."""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+
+from hicache.core.errors import PolicyError
+from hicache.core.eviction import EVICTION_POLICIES
+from hicache.core.write_policy import WritePolicy
+
+PROMISE_POLICIES = ("eager", "confirmed", "adaptive")
+PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+RETRACT_POLICIES = ("newest", "fewest_decoded", "most_pages")
+
+
+def _one_of(choices: tuple[str, ...]):
+    def check(inst: object, attribute: attrs.Attribute, value: str) -> None:
+        if value not in choices:
+            raise PolicyError(
+                f"{attribute.name}: unknown policy {value!r}; expected one of: {', '.join(choices)}"
+            )
+
+    return check
+
+
+def _at_least(low: float):
+    def check(inst: object, attribute: attrs.Attribute, value: float) -> None:
+        if not isinstance(value, int | float) or isinstance(value, bool) or not value >= low:
+            raise ValueError(f"{attribute.name}: expected a number >= {low}, got {value!r}")
+
+    return check
+
+
+@attrs.frozen(slots=True)
+class DecodeConfig:
+    """Everything the decode-node core decides with. Sizes are in pages unless named tokens."""
+
+    l1_pages: int = attrs.field(validator=_at_least(1))
+    l2_pages: int = attrs.field(validator=_at_least(0))
+    page_size: int = attrs.field(default=64, validator=_at_least(1))
+    eviction: str = attrs.field(default="lru", validator=_one_of(tuple(EVICTION_POLICIES)))
+    write_policy: str = attrs.field(
+        default="write_through", validator=_one_of(tuple(p.value for p in WritePolicy))
+    )
+    storage: bool = True  # an L3 is attached: query it, prefetch from it, store to it
+    promise: str = attrs.field(default="eager", validator=_one_of(PROMISE_POLICIES))
+    prefetch_policy: str = attrs.field(default="timeout", validator=_one_of(PREFETCH_POLICIES))
+    prefetch_threshold_tokens: int = attrs.field(default=256, validator=_at_least(0))
+    prefetch_timeout_base: float = attrs.field(default=2.0, validator=_at_least(0))
+    prefetch_timeout_per_ki_token: float = attrs.field(default=0.1, validator=_at_least(0))
+    prefetch_timeout_max: float = attrs.field(default=30.0, validator=_at_least(0))
+    load_batches_in_flight: int = attrs.field(default=3, validator=_at_least(1))
+    decode_reserve_tokens: int = attrs.field(default=512, validator=_at_least(0))
+    transfer_retries: int = attrs.field(default=2, validator=_at_least(0))
+    retract_policy: str = attrs.field(default="newest", validator=_one_of(RETRACT_POLICIES))
+    tp_size: int = attrs.field(default=1, validator=_at_least(1))
+    # Estimates for the adaptive promise (the driver supplies them; bytes and seconds).
+    kv_bytes_per_token: float = attrs.field(default=131072.0, validator=_at_least(0))
+    l3_bandwidth: float = attrs.field(default=5e9, validator=_at_least(1))
+    l3_latency: float = attrs.field(default=2e-3, validator=_at_least(0))
+    host_to_device_bandwidth: float = attrs.field(default=25e9, validator=_at_least(1))
+    network_bandwidth: float = attrs.field(default=25e9, validator=_at_least(1))
+    network_latency: float = attrs.field(default=50e-6, validator=_at_least(0))
+    prefill_tokens_per_s: float = attrs.field(default=20000.0, validator=_at_least(1))
+
+    @property
+    def decode_reserve_pages(self) -> int:
+        return math.ceil(self.decode_reserve_tokens / self.page_size)
+
+    @property
+    def prefetch_threshold_pages(self) -> int:
+        return math.ceil(self.prefetch_threshold_tokens / self.page_size)
+
+    def prefetch_timeout(self, tokens: int) -> float:
+        """Seconds a `timeout` prefetch of `tokens` may take: base + per-KiB-token term, capped."""
+        t = self.prefetch_timeout_base + self.prefetch_timeout_per_ki_token * tokens / 1024
+        return min(t, self.prefetch_timeout_max)
