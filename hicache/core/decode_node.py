@@ -278,13 +278,18 @@ class DecodeNodeCore:
             r.admitted_at = self.now
             r.account.l1 = r.device_pages * page
             self.stats.admitted += 1
+            self._plan_l2(r)
             candidates = r.prompt_len // page - r.device_pages - r.host_pages
-            if cfg.storage and candidates >= max(1, cfg.prefetch_threshold_pages):
+            if (
+                cfg.storage
+                and r.l2_pages == r.host_pages
+                and candidates >= max(1, cfg.prefetch_threshold_pages)
+            ):
                 self._move(r, "admit")
                 self._to_query.append(r)
             else:
                 self._move(r, "admit_local")
-                self._plan(r, 0)
+                self._plan_l3(r, 0)
 
     # ------------------------------------------------------------------ agreement across ranks
 
@@ -344,20 +349,29 @@ class DecodeNodeCore:
                 r = self.requests[rid]
                 if r.state is State.QUERYING:
                     self._move(r, "l3_known")
-                    self._plan(r, hits)
+                    self._plan_l3(r, hits)
 
-    def _plan(self, r: Request, l3_hits: int) -> None:
-        """Decide what to restore locally, start it, and promise the rest to prefill."""
-        cfg = self.cfg
-        page = cfg.page_size
-        candidates = r.prompt_len // page - r.device_pages - r.host_pages
-        l3 = min(l3_hits, candidates)
-        if l3 < max(1, cfg.prefetch_threshold_pages):
-            l3 = 0  # below the threshold L3 is neither fetched nor promised
-        l2, l3 = choose_parts(cfg, r.host_pages, l3)
+    def _plan_l2(self, r: Request) -> None:
+        """At admission: start loading the L2 span back at once (it overlaps the L3 query), or
+        give it up when the promise policy says receiving it is faster."""
+        l2, _ = choose_parts(self.cfg, r.host_pages, 0)
         if l2 < r.host_pages and r.pin is not None:
             self.tree.unpin_host(r.pin)
             r.pin = None
+        r.l2_pages = l2
+        if l2:
+            self._queue_load(r, "l2", r.device_pages, r.host_slots_l2[:l2])
+
+    def _plan_l3(self, r: Request, l3_hits: int) -> None:
+        """Once the L3 hit is known: start the prefetch and promise the prefix to prefill."""
+        cfg = self.cfg
+        page = cfg.page_size
+        l2 = r.l2_pages
+        candidates = r.prompt_len // page - r.device_pages - r.host_pages
+        l3 = min(l3_hits, candidates) if l2 == r.host_pages else 0  # the promise is a prefix
+        if l3 < max(1, cfg.prefetch_threshold_pages):
+            l3 = 0  # below the threshold L3 is neither fetched nor promised
+        _, l3 = choose_parts(cfg, l2, l3)
         host: list[int] | None = None
         if l3:
             host = self.host_pool.alloc(l3, r.owner)
@@ -366,10 +380,8 @@ class DecodeNodeCore:
                 host = self.host_pool.alloc(l3, r.owner)
             if host is None:
                 l3 = 0
-        r.l2_pages, r.l3_pages = l2, l3
+        r.l3_pages = l3
         start = r.device_pages
-        if l2:
-            self._queue_load(r, "l2", start, r.host_slots_l2[:l2])
         if l3:
             assert host is not None
             op = next(self._ids)
