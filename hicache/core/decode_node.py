@@ -172,7 +172,7 @@ class DecodeNodeCore:
         """No request in flight and no I/O outstanding."""
         return (
             all(r.state.terminal for r in self.requests.values())
-            and not (self._queries or self._prefetches or self._loads or self._transfers)
+            and not (self._queries or self._prefetches or self._loads or self._transfers or self._agreements)
             and not self._load_queue
             and not self.tree.ops_in_flight
         )
