@@ -48,7 +48,8 @@ class Prefetch:
 
 @attrs.frozen(slots=True)
 class CancelPrefetch:
-    """Stop a prefetch early; the driver still answers with `PrefetchDone`."""
+    """Stop a prefetch early; the driver still answers with `PrefetchDone` (and ignores a
+    cancel that reaches a prefetch which has already ended)."""
 
     op: int
 

@@ -608,6 +608,7 @@ class DecodeNodeCore:
         self._move(r, "Decoded")
         if e.tokens < 0:
             raise CoreError(f"Decoded {e.req!r}: tokens must be >= 0, got {e.tokens}")
+        written = r.seq_len  # the KV of tokens before this step is in place
         r.decoded += e.tokens
         r.keys.extend(e.new_keys)
         if len(r.keys) != r.seq_len // self.cfg.page_size:
@@ -615,11 +616,12 @@ class DecodeNodeCore:
                 f"Decoded {e.req!r}: {r.seq_len} tokens need {r.seq_len // self.cfg.page_size} page keys, "
                 f"the request has {len(r.keys)}"
             )
-        self._grow(r)
+        self._grow(r, written)
 
-    def _grow(self, r: Request) -> None:
+    def _grow(self, r: Request, written: int) -> None:
         """Give a running request the pages its tokens need: its reservation first, then free
-        pages, then eviction, then retraction of running requests by policy."""
+        pages, then eviction, then retraction of running requests by policy. If `r` itself is
+        retracted, only its first `written` tokens have KV (this step's never got room)."""
         need = math.ceil(r.seq_len / self.cfg.page_size)
         while len(r.slots) < need:
             if r.reserve > 0:
@@ -630,9 +632,10 @@ class DecodeNodeCore:
                 self._collect_tree()
                 if self.device_pool.num_free - self.reserved < 1:
                     victim = self._victim()
-                    self._retract(victim)
                     if victim is r:
+                        self._retract(r, shed=0, written=written)
                         return
+                    self._retract(victim, shed=need - len(r.slots), written=victim.seq_len)
                     continue
             slot = self.device_pool.alloc(1, r.owner)
             assert slot is not None
@@ -647,9 +650,14 @@ class DecodeNodeCore:
             return min(running, key=lambda x: (x.decoded, -x.admitted_at, x.id))
         return max(running, key=lambda x: (len(x.slots), x.id))
 
-    def _store_in_tree(self, r: Request) -> None:
-        """Hand a request's full pages to the tree (prompt and output), free the rest."""
-        full = r.seq_len // self.cfg.page_size
+    def _store_in_tree(self, r: Request, shed: int = 0, written: int | None = None) -> None:
+        """Hand a request's full pages whose KV is written (of its first `written` tokens, by
+        default all) to the tree, prompt and output; free the rest. With `shed`, up to that many
+        of its own last pages are freed at once instead: pages handed to the tree may not be
+        evictable yet (a backup in flight), and a retraction needs room now."""
+        keep = len(r.slots) - min(shed, len(r.slots) - r.shared)
+        written = r.seq_len if written is None else written
+        full = min(written // self.cfg.page_size, keep)
         if full:
             self.tree.insert(r.keys[:full], r.slots[:full], r.owner, self.now, priority=r.priority)
         tail = r.slots[max(full, r.shared) :]
@@ -662,9 +670,9 @@ class DecodeNodeCore:
         self.reserved -= r.reserve
         r.reserve = 0
 
-    def _retract(self, r: Request) -> None:
+    def _retract(self, r: Request, shed: int, written: int) -> None:
         self._move(r, "retract")
-        self._store_in_tree(r)
+        self._store_in_tree(r, shed, written)
         r.account.retractions += 1
         self.stats.retracted += 1
         self.retracted.append(r.id)
@@ -742,7 +750,7 @@ class DecodeNodeCore:
         if p is not None:
             if not p.settled:
                 p.claims += self._claim(self.host_pool, p.slots, r, ("op", p.op))
-                if not p.cancelled and not p.final:
+                if not p.cancelled:  # not `p.final`: that is rank-local; a driver ignores a late cancel
                     p.cancelled = True
                     self._emit(cmd.CancelPrefetch(p.op))
             p.req = None
