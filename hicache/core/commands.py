@@ -68,7 +68,9 @@ class LoadBack:
 @attrs.frozen(slots=True)
 class RequestKV:
     """Ask prefill for the KV of tokens [start, end) of a request, written to `dst_slots`
-    (one per page, starting at page start // page_size). `start` is page-aligned."""
+    (one per page, starting at page start // page_size). `start` is page-aligned. A request
+    whose whole prompt was restored still gets one with `start == end`: prefill computes the
+    first output token either way."""
 
     transfer: int
     req: str
