@@ -564,7 +564,7 @@ class DecodeNodeCore:
             return
         r.transfers.discard(t.tid)
         if t.attempt < self.cfg.transfer_retries:
-            self._move(r, "KVFailed")
+            self._move(r, "KVFailed")  # QUERYING or RESTORING: retried
             self.stats.transfer_retries += 1
             self._request_kv(r, t.start, t.end, fallback=t.fallback, attempt=t.attempt + 1)
             return

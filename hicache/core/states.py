@@ -41,6 +41,11 @@ TRANSITIONS: dict[State, dict[str, State]] = {
     },
     State.QUERYING: {
         "l3_known": State.RESTORING,
+        # The L2 span's load-back starts at admission; if it fails, its fallback transfer can
+        # complete or fail before L3 answers.
+        "KVArrived": State.QUERYING,
+        "KVFailed": State.QUERYING,
+        "transfer_failed": State.FAILED,
         "AbortRequested": State.ABORTED,
     },
     State.RESTORING: {
