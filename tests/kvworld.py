@@ -11,6 +11,7 @@ in any order it likes.
 from __future__ import annotations
 
 import math
+import zlib
 
 import numpy as np
 
@@ -150,12 +151,15 @@ class World:
         self.feed(ev.PrefetchDone(self.now, op, pages))
 
     def _copy_prefetch(self, p: cmd.Prefetch, pages: int) -> int:
-        done = 0
-        for key, h in zip(p.keys[:pages], p.host_slots, strict=False):
+        """Copy pages [copied, pages) of a prefetch; pages reported complete are never written
+        again (the core may already have handed their slots to someone else)."""
+        done = self.prefetch_done_pages.get(p.op, 0)
+        for key, h in zip(p.keys[done:pages], p.host_slots[done:], strict=False):
             if key not in self.l3:
                 break
             self.l2[h] = self.l3[key]
             done += 1
+        self.prefetch_done_pages[p.op] = done
         return done
 
     def load_done(self, op: int, failed: tuple[str, ...] = ()) -> None:
@@ -172,14 +176,16 @@ class World:
 
     def kv_arrive(self, tid: int) -> None:
         c = self.transfers.pop(tid)
-        r = self.core.requests[c.req]
-        if not r.state.terminal:
-            for j, s in enumerate(c.dst_slots):
-                self.l1[s] = self.truth(c.req, c.start // self.page + j)
+        # Prefill writes its KV whether or not the request has ended meanwhile: a core that
+        # reused these slots before the transfer ended would see them overwritten.
+        for j, s in enumerate(c.dst_slots):
+            self.l1[s] = self.truth(c.req, c.start // self.page + j)
         self.feed(ev.KVArrived(self.now, c.req, tid))
 
     def kv_fail(self, tid: int, reason: str = "link down") -> None:
         c = self.transfers.pop(tid)
+        for s in c.dst_slots:  # a failed transfer may have written anything
+            self.l1[s] = ("garbage", "transfer", tid)
         self.feed(ev.KVFailed(self.now, c.req, tid, reason))
 
     def backup_done(self, op: int) -> None:
@@ -203,7 +209,7 @@ class World:
     def decode(self, rid: str, n: int, seed: int = 0) -> None:
         r = self.core.requests[rid]
         before = r.seq_len
-        rng = np.random.default_rng(abs(hash((rid, before, seed))) % 2**32)
+        rng = np.random.default_rng(zlib.crc32(f"{rid}/{before}/{seed}".encode()))
         self.tokens[rid] += rng.integers(0, 50, n).tolist()
         keys = self.keys_of(self.tokens[rid])
         new_keys = keys[before // self.page :]
