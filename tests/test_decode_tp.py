@@ -406,7 +406,7 @@ def run_plans(
 
 
 @settings(
-    max_examples=50,
+    max_examples=150,
     deadline=None,
     phases=NO_SHRINK,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
@@ -417,29 +417,10 @@ def run_plans(
     timer_at=st.none() | st.integers(0, 10),
     l1=st.integers(14, 64),
     seed=st.integers(0, 2**16),
+    aborts=st.booleans(),
 )
 def test_ranks_emit_identical_commands_whatever_their_local_views(
-    plans_: list[Plan], policy: str, timer_at: int | None, l1: int, seed: int
+    plans_: list[Plan], policy: str, timer_at: int | None, l1: int, seed: int, aborts: bool
 ) -> None:
-    r = run_plans(plans_, policy, timer_at, l1, seed, aborts=False)
-    outcomes = r.lead.outcomes
-    assert set(outcomes) == {f"r{i}" for i in range(len(plans_))}
-
-
-@settings(
-    max_examples=100,
-    deadline=None,
-    phases=NO_SHRINK,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
-@given(
-    plans_=plans(RANKS),
-    policy=st.sampled_from(["best_effort", "wait_complete", "timeout"]),
-    timer_at=st.none() | st.integers(0, 10),
-    l1=st.integers(14, 64),
-    seed=st.integers(0, 2**16),
-)
-def test_ranks_emit_identical_commands_with_aborts(
-    plans_: list[Plan], policy: str, timer_at: int | None, l1: int, seed: int
-) -> None:
-    run_plans(plans_, policy, timer_at, l1, seed, aborts=True)
+    r = run_plans(plans_, policy, timer_at, l1, seed, aborts=aborts)
+    assert set(r.lead.outcomes) == {f"r{i}" for i in range(len(plans_))}
