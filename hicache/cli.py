@@ -12,6 +12,8 @@ from hicache.core.eviction import EVICTION_POLICIES
 from hicache.core.write_policy import WritePolicy
 from hicache.demo import DemoReport, replay
 from hicache.scenarios.multiturn import MultiTurnChat
+from hicache.scenarios.trace_stats import trace_stats
+from hicache.scenarios.traces import read_trace
 
 
 def _positive(text: str) -> int:
@@ -48,7 +50,34 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--eviction", choices=sorted(EVICTION_POLICIES), default="lru")
     demo.add_argument("--write-policy", choices=[p.value for p in WritePolicy], default="write_through")
     demo.add_argument("--seed", type=int, default=0)
+    trace = sub.add_parser("trace", help="inspect a trace").add_subparsers(
+        dest="trace_command", required=True
+    )
+    stats = trace.add_parser(
+        "stats",
+        help="requests, duration, length percentiles, blocks, and the ideal prefix-hit ratio",
+        description="Reads a Mooncake .jsonl, an Azure .csv, or kv-cache-tester .json file or folder.",
+    )
+    stats.add_argument("trace", help="the trace file (or a folder of kv-cache-tester sessions)")
+    stats.add_argument("--time-scale", type=float, default=1.0, help="multiply arrival times by this")
     return parser
+
+
+def run_trace_stats(args: argparse.Namespace) -> int:
+    requests = read_trace(args.trace, time_scale=args.time_scale)
+    s = trace_stats(requests)
+    print(f"trace            {args.trace}")
+    print(f"requests         {s.requests:,}")
+    print(f"duration         {s.duration_s / 60:,.1f} min ({s.requests / max(s.duration_s, 1e-9):.2f} req/s)")
+    for name, p in (("input tokens", s.input_percentiles), ("output tokens", s.output_percentiles)):
+        cols = "  ".join(f"{k} {v:,.0f}" for k, v in p.items())
+        print(f"{name:<16} {cols}")
+    if s.ideal_hit_ratio is None:
+        print("blocks           none (the trace carries no prefix ids)")
+    else:
+        print(f"blocks           {s.blocks_total:,} total, {s.blocks_distinct:,} distinct")
+        print(f"ideal hit        {s.ideal_hit_ratio:.1%} of input tokens (infinite cache, arrival order)")
+    return 0
 
 
 def _print_reports(reports: Sequence[DemoReport], page_size: int) -> None:
@@ -106,6 +135,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "demo":
             return run_demo(args)
+        if args.command == "trace":
+            return run_trace_stats(args)
     except (PolicyError, ValueError) as exc:
         print(f"hicache {args.command}: {exc}", file=sys.stderr)
         return 2
