@@ -230,17 +230,24 @@ def test_ranks_with_different_l3_hits_prefetch_and_promise_the_agreed_minimum() 
     assert kinds.count("l3_hits") == 2
 
 
-def test_prefetch_shortfall_on_one_rank_trims_every_rank() -> None:
-    r = Ranks(config(prefetch_policy="timeout"))
-    toks = tokens(2, 26)  # 6 full pages
+def start_prefetch(r: Ranks, rid: str, toks: list[int]) -> cmd.Prefetch:
+    """Put `toks` in every rank's L3, let `rid` arrive, answer its L3 query on every rank in
+    full, and return the prefetch all ranks then start."""
     put_in_l3(r, toks)
-    r.each("arrive", "a", toks)
+    r.each("arrive", rid, toks)
     r.tick()
     (q,) = of(r.lead, cmd.QueryStorage)
     for w in r.worlds:
         w.answer_query(q.op)
     r.tick()
     (pf,) = of(r.lead, cmd.Prefetch)
+    return pf
+
+
+def test_prefetch_shortfall_on_one_rank_trims_every_rank() -> None:
+    r = Ranks(config(prefetch_policy="timeout"))
+    toks = tokens(2, 26)  # 6 full pages
+    pf = start_prefetch(r, "a", toks)
     (timer,) = of(r.lead, cmd.SetTimer)
     for w, pages in zip(r.worlds, (6, 2, 4), strict=True):
         w.prefetch_progress(pf.op, pages)
@@ -264,14 +271,7 @@ def test_abort_while_one_rank_has_finished_its_prefetch() -> None:
     ranks must still emit the same commands."""
     r = Ranks(config(prefetch_policy="wait_complete"))
     toks = tokens(3, 26)
-    put_in_l3(r, toks)
-    r.each("arrive", "a", toks)
-    r.tick()
-    (q,) = of(r.lead, cmd.QueryStorage)
-    for w in r.worlds:
-        w.answer_query(q.op)
-    r.tick()
-    (pf,) = of(r.lead, cmd.Prefetch)
+    pf = start_prefetch(r, "a", toks)
     r.worlds[0].prefetch_done(pf.op)  # rank 0's read is complete, the others are still reading
     r.each("abort", "a")
     for w in r.worlds[1:]:

@@ -55,10 +55,6 @@ class TreeNode:
         self.l1_ver = 0  # bumped on every L1 eviction-heap push; stale heap entries are skipped
         self.l2_ver = 0
 
-    @property
-    def num_pages(self) -> int:
-        return len(self.keys)
-
     def __repr__(self) -> str:
         tiers = "".join(t for t, on in (("D", self.device), ("H", self.host)) if on is not None)
         return f"TreeNode(#{self.id}, pages={len(self.keys)}, tiers={tiers or '-'}, lock={self.lock_ref})"
