@@ -4,30 +4,27 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from collections.abc import Sequence
+from pathlib import Path
 
 from hicache.core.errors import PolicyError
-from hicache.core.eviction import EVICTION_POLICIES
-from hicache.core.write_policy import WritePolicy
-from hicache.demo import DemoReport, replay
-from hicache.scenarios.multiturn import MultiTurnChat
+from hicache.scenarios import __file__ as _scenarios_init
+from hicache.scenarios.scenario import ScenarioError, load_scenario
 from hicache.scenarios.trace_stats import trace_stats
-from hicache.scenarios.traces import read_trace
+from hicache.scenarios.traces import TraceError, read_trace
+
+DEMO_SCENARIO = Path(_scenarios_init).parent / "demo.toml"
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text}")
-    return value
-
-
-def _non_negative(text: str) -> float:
-    value = float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
-    return value
+def _add_set(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override a scenario field (TOML value syntax; repeatable), e.g. cache.hicache_ratio=4",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,21 +32,28 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser(
         "demo",
-        help="replay a generated multi-turn chat workload through a decode node's tiered cache",
-        description="Replays the same generated workload with L1 only and with L1 + L2, and shows "
-        "where each prompt token came from.",
+        help="simulate a generated multi-turn chat through all four decode-cache baselines",
+        description="Runs the built-in demo scenario (a generated multi-turn chat on one prefill and one "
+        "decode node) with no decode cache, L1, L1+L2 and L1+L2+L3, prints the table and writes "
+        "summary.json, requests.csv and plots.",
     )
-    demo.add_argument("--conversations", type=_positive, default=200)
-    demo.add_argument("--turns", type=_positive, default=5)
-    demo.add_argument("--system-prompt", type=int, default=2048, help="tokens shared by every conversation")
-    demo.add_argument("--page-size", type=_positive, default=64, help="tokens per page")
-    demo.add_argument("--l1-tokens", type=_positive, default=200_000, help="L1 (GPU) capacity in tokens")
     demo.add_argument(
-        "--hicache-ratio", type=_non_negative, default=2.0, help="L2 (host) capacity as a multiple of L1"
+        "--out", type=Path, default=Path("out/demo"), help="where results go (default out/demo)"
     )
-    demo.add_argument("--eviction", choices=sorted(EVICTION_POLICIES), default="lru")
-    demo.add_argument("--write-policy", choices=[p.value for p in WritePolicy], default="write_through")
-    demo.add_argument("--seed", type=int, default=0)
+    _add_set(demo)
+    sim = sub.add_parser("sim", help="the discrete-event simulator").add_subparsers(
+        dest="sim_command", required=True
+    )
+    run = sim.add_parser(
+        "run",
+        help="replay a scenario's workload through each of its baselines",
+        description="Writes DIR/summary.json, DIR/requests.csv and PNG plots (TTFT CDF, cached tokens by "
+        "tier, bytes over the P->D link).",
+    )
+    run.add_argument("scenario", type=Path, help="a scenario file (TOML)")
+    run.add_argument("--out", type=Path, default=None, help="results folder (default out/<scenario name>)")
+    run.add_argument("--quiet", action="store_true", help="no progress bars")
+    _add_set(run)
     trace = sub.add_parser("trace", help="inspect a trace").add_subparsers(
         dest="trace_command", required=True
     )
@@ -80,53 +84,23 @@ def run_trace_stats(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_reports(reports: Sequence[DemoReport], page_size: int) -> None:
-    header = f"{'config':<8} {'requests':>8} {'L1 hit':>8} {'L2 hit':>8} {'miss':>8} "
-    header += f"{'demoted':>9} {'dropped':>9} {'L2 evict':>9} {'backed up':>10}"
-    print(header)
-    for r in reports:
-        print(
-            f"{r.label:<8} {r.requests - r.rejected:>8} {r.ratio(r.l1_tokens):>8.1%} "
-            f"{r.ratio(r.l2_tokens):>8.1%} {r.ratio(r.missed_tokens):>8.1%} "
-            f"{r.demoted_pages * page_size:>9} {r.dropped_pages * page_size:>9} "
-            f"{r.host_evicted_pages * page_size:>9} {r.backed_up_pages * page_size:>10}"
-        )
-    print("(hit ratios are of prompt tokens; page counts are shown in tokens)")
+def run_sim(scenario_path: Path, overrides: list[str], out: Path | None, *, progress: bool) -> int:
+    # The simulator is imported here so that `hicache trace stats` stays quick to start.
+    from hicache.scenarios.build import build_workload
+    from hicache.sim.runner import run_baselines, table, write_outputs
 
-
-def run_demo(args: argparse.Namespace) -> int:
-    workload = MultiTurnChat(
-        conversations=args.conversations, turns=args.turns, system_prompt=args.system_prompt, seed=args.seed
-    )
-    requests = workload.generate()
-    l1_pages = args.l1_tokens // args.page_size
-    if l1_pages < 1:
-        raise SystemExit(f"hicache demo: --l1-tokens must hold at least one page of {args.page_size} tokens")
-    l2_pages = int(l1_pages * args.hicache_ratio)
-    prompt_tokens = sum(len(r.prompt) for r in requests)
+    scenario = load_scenario(scenario_path, overrides)
+    items = build_workload(scenario)
+    prompt = sum(i.prompt_len for i in items)
     print(
-        f"workload: {len(requests)} requests ({args.conversations} conversations x {args.turns} turns), "
-        f"{prompt_tokens:,} prompt tokens; page {args.page_size} tokens; "
-        f"L1 {l1_pages * args.page_size:,} tokens, L2 {l2_pages * args.page_size:,} tokens; "
-        f"eviction {args.eviction}, {args.write_policy}"
+        f"scenario {scenario.name}: {len(items):,} requests, {prompt:,} prompt tokens; "
+        f"baselines {', '.join(scenario.run.baselines)}",
+        flush=True,
     )
-    reports = []
-    for label, l2 in (("l1", 0), ("l1_l2", l2_pages)):
-        start = time.perf_counter()
-        reports.append(
-            replay(
-                requests,
-                label=label,
-                page_size=args.page_size,
-                l1_pages=l1_pages,
-                l2_pages=l2,
-                eviction=args.eviction,
-                write_policy=args.write_policy,
-            )
-        )
-        elapsed = time.perf_counter() - start
-        print(f"  {label}: replayed in {elapsed:.2f} s ({len(requests) / elapsed:,.0f} requests/s)")
-    _print_reports(reports, args.page_size)
+    results = run_baselines(scenario, items, progress=progress)
+    print(table(results))
+    paths = write_outputs(out or Path("out") / scenario.name, scenario, results)
+    print("wrote " + ", ".join(str(p) for p in paths))
     return 0
 
 
@@ -134,10 +108,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "demo":
-            return run_demo(args)
+            return run_sim(DEMO_SCENARIO, args.overrides, args.out, progress=sys.stderr.isatty())
+        if args.command == "sim":
+            return run_sim(args.scenario, args.overrides, args.out, progress=not args.quiet)
         if args.command == "trace":
             return run_trace_stats(args)
-    except (PolicyError, ValueError) as exc:
+    except (ScenarioError, TraceError, PolicyError, ValueError) as exc:
         print(f"hicache {args.command}: {exc}", file=sys.stderr)
         return 2
     return 0

@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 
 from hicache.cli import main
-from hicache.demo import replay
 from hicache.scenarios.multiturn import MultiTurnChat
 
 
@@ -39,38 +38,22 @@ def test_workload_rejects_bad_sizes(field: str) -> None:
         MultiTurnChat(**{field: 0})
 
 
-def test_replay_counts_tiers() -> None:
-    reqs = MultiTurnChat(conversations=20, turns=4, system_prompt=256, seed=1).generate()
-    big = replay(reqs, label="big", page_size=16, l1_pages=100_000, l2_pages=0)
-    # With room for everything, a prompt hits exactly its longest prefix of pages that an
-    # earlier request's prompt + output held (brute force over token tuples).
-    held: set[tuple[int, ...]] = set()
-    expect = 0
-    for r in reqs:
-        pages = len(r.prompt) // 16
-        hit = 0
-        while hit < pages and tuple(r.prompt[: (hit + 1) * 16].tolist()) in held:
-            hit += 1
-        expect += hit * 16
-        seq = np.concatenate([r.prompt, r.output]).tolist()
-        held.update(tuple(seq[: (k + 1) * 16]) for k in range(len(seq) // 16))
-    assert big.l1_tokens == expect > 0
-    assert big.l2_tokens == 0 and big.rejected == 0
-    small = replay(reqs, label="small", page_size=16, l1_pages=400, l2_pages=0)
-    tiered = replay(reqs, label="tiered", page_size=16, l1_pages=400, l2_pages=4000)
-    assert small.l1_tokens < big.l1_tokens
-    assert tiered.l2_tokens > 0
-    assert small.l1_tokens < tiered.l1_tokens + tiered.l2_tokens <= big.l1_tokens
-    assert tiered.dropped_pages == 0 and small.demoted_pages == 0
-
-
-def test_demo_command_runs(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["demo", "--conversations", "10", "--turns", "3", "--l1-tokens", "20000"]) == 0
-    out = capsys.readouterr().out
-    assert "l1_l2" in out and "L2 hit" in out
+def test_demo_command_runs_all_four_baselines(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "demo"
+    args = ["demo", "--out", str(out), "--set", "workload.conversations=8", "--set", "workload.turns=3"]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    for label in ("no_decode_cache", "l1 ", "l1_l2 ", "l1_l2_l3"):
+        assert label in printed
+    assert {p.name for p in out.iterdir()} == {
+        "summary.json",
+        "requests.csv",
+        "ttft_cdf.png",
+        "cached_by_tier.png",
+        "pd_transfer.png",
+    }
 
 
 def test_demo_rejects_unknown_policy(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit):
-        main(["demo", "--eviction", "random"])
-    assert "invalid choice: 'random'" in capsys.readouterr().err
+    assert main(["demo", "--set", "cache.eviction=random"]) == 2
+    assert "cache.eviction" in capsys.readouterr().err

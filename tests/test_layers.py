@@ -21,7 +21,7 @@ CORE_BANNED = {
     "trio", "torch", "time", "threading", "socket", "asyncio", "subprocess", "multiprocessing",
     "select", "selectors", "signal", "shutil", "tempfile", "os", "io", "pathlib", "random",
     "datetime", "concurrent", "hicache.sim", "hicache.runtime", "hicache.scenarios", "hicache.cli",
-    "hicache.demo", "sim", "runtime", "scenarios",
+    "sim", "runtime", "scenarios",
 }  # fmt: skip
 CORE_THIRD_PARTY = {"attrs", "numpy", "numba"}
 RULES = {

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from hicache.sim.channel import Channel
+from hicache.sim.costs import NodeCosts, steps_time, steps_within
 from hicache.sim.geometry import ModelGeometry, model_preset
 from hicache.sim.hardware import gpu_preset, link_preset
+from hicache.sim.store import SharedStore
 
 
 @pytest.mark.parametrize(
@@ -47,3 +52,86 @@ def test_hardware_presets_and_links() -> None:
         gpu_preset("b200")
     with pytest.raises(ValueError, match="unknown model"):
         model_preset("gpt-5")
+
+
+# --------------------------------------------------------------------------- node costs
+
+
+def _costs(gpus: int = 8) -> NodeCosts:
+    return NodeCosts(model_preset("llama-3-8b"), gpu_preset("h100"), gpus, step_overhead=0.004)
+
+
+def test_prefill_seconds_by_hand() -> None:
+    c = _costs()
+    flops = 8 * 989e12 * 0.5
+    # 1,000 tokens after 3,000 cached: 2 x params each, plus attention over contexts 3000..3999.
+    attended = sum(range(3000, 4000))
+    want = (2 * 8.03e9 * 1000 + 4 * 32 * 32 * 128 * attended) / flops
+    assert c.prefill_seconds(1000, 3000) == pytest.approx(want, rel=1e-12)
+    assert c.prefill_seconds(0, 5000) == 0.0
+
+
+def test_decode_step_by_hand() -> None:
+    c = _costs()
+    bw = 8 * 3.35e12 * 0.8
+    weights = 8.03e9 * 2 / bw
+    # memory-bound at batch 16: weights + 16 contexts of 2,000 tokens of 128 KiB each
+    want = 0.004 + weights + 16 * 2000 * 131072 / bw
+    assert c.step_seconds(16, 16 * 2000) == pytest.approx(want, rel=1e-12)
+    # compute-bound at a huge batch: 2 x params x batch FLOPs beat the weight read
+    big = 100_000
+    assert c.step_constant(big) == pytest.approx(0.004 + 2 * 8.03e9 * big / (8 * 989e12 * 0.5))
+
+
+def test_kv_capacity_from_hbm() -> None:
+    c = _costs()
+    want = int((80e9 * 8 * 0.9 - 8.03e9 * 2) // 131072)
+    assert c.kv_capacity_tokens(0.9) == want
+    with pytest.raises(ValueError, match="does not fit"):
+        NodeCosts(model_preset("deepseek-v3"), gpu_preset("h100"), 1).kv_capacity_tokens(0.9)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    a=st.floats(1e-4, 0.1),
+    b=st.floats(1e-9, 1e-5),
+    batch=st.integers(1, 512),
+    context=st.integers(0, 10_000_000),
+    elapsed=st.floats(0, 1000),
+)
+def test_steps_within_inverts_steps_time(
+    a: float, b: float, batch: int, context: int, elapsed: float
+) -> None:
+    k = steps_within(a, b, batch, context, elapsed)
+    assert steps_time(a, b, batch, context, k) <= elapsed
+    assert steps_time(a, b, batch, context, k + 1) > elapsed
+    # the closed form equals the step-by-step sum
+    total = sum(a + b * (context + batch * j) for j in range(min(k, 50)))
+    assert steps_time(a, b, batch, context, min(k, 50)) == pytest.approx(total, rel=1e-9, abs=1e-12)
+
+
+# --------------------------------------------------------------------------- channels and storage
+
+
+def test_channel_is_fifo_with_pipelined_latency() -> None:
+    ch = Channel("link", bandwidth=1e9, latency=0.01)
+    t1 = ch.reserve(0.0, 1e9)  # 1 s of data
+    t2 = ch.reserve(0.5, 0.5e9)  # queued behind the first
+    assert (t1.start, t1.busy_until, t1.done) == (0.0, 1.0, pytest.approx(1.01))
+    assert (t2.start, t2.busy_until, t2.done) == (1.0, 1.5, pytest.approx(1.51))
+    assert t1.fraction_at(0.25) == 0.25
+    ch.cut(t2, 1.25)  # stopped half way, nothing behind it: the channel frees at once
+    assert ch.free_at == 1.25
+    assert ch.reserve(2.0, 0).start == 2.0
+
+
+def test_store_lru_capacity() -> None:
+    store = SharedStore(Channel("L3", 1e9, 0.0), capacity_pages=3)
+    store.add([1, 2, 3])
+    store.touch([1])
+    store.add([4])  # evicts 2, the least recently used
+    assert [k in store for k in (1, 2, 3, 4)] == [True, False, True, True]
+    assert store.prefix_hits([1, 3, 2, 4]) == 2
+    unbounded = SharedStore(Channel("L3", 1e9, 0.0))
+    unbounded.add(range(1000))
+    assert len(unbounded) == 1000 and unbounded.evicted == 0

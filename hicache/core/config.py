@@ -45,6 +45,10 @@ class DecodeConfig:
         default="write_through", validator=_one_of(tuple(p.value for p in WritePolicy))
     )
     storage: bool = True  # an L3 is attached: query it, prefetch from it, store to it
+    radix: bool = True  # keep finished sequences in the tree; False: no decode-side cache at all
+    # At most this share of L2 may wait on stores to L3; beyond it pages are not stored (writes
+    # to L3 are best-effort: L2 must not fill up with pages a slow store still reads).
+    store_backlog: float = attrs.field(default=0.25, validator=_at_least(0))
     promise: str = attrs.field(default="eager", validator=_one_of(PROMISE_POLICIES))
     prefetch_policy: str = attrs.field(default="timeout", validator=_one_of(PREFETCH_POLICIES))
     prefetch_threshold_tokens: int = attrs.field(default=256, validator=_at_least(0))
@@ -64,6 +68,10 @@ class DecodeConfig:
     network_bandwidth: float = attrs.field(default=25e9, validator=_at_least(1))
     network_latency: float = attrs.field(default=50e-6, validator=_at_least(0))
     prefill_tokens_per_s: float = attrs.field(default=20000.0, validator=_at_least(1))
+
+    def __attrs_post_init__(self) -> None:
+        if not self.radix and (self.storage or self.l2_pages):
+            raise ValueError("radix=False (no decode cache) needs storage=False and l2_pages=0")
 
     @property
     def decode_reserve_pages(self) -> int:

@@ -118,6 +118,7 @@ class DecodeNodeCore:
             eviction=config.eviction,
             write_policy=config.write_policy,
             store_to_l3=config.storage,
+            store_backlog_pages=int(config.store_backlog * config.l2_pages),
         )
         self.requests: dict[str, Request] = {}
         self.queue: deque[str] = deque()
@@ -176,6 +177,22 @@ class DecodeNodeCore:
             and not self._load_queue
             and not self.tree.ops_in_flight
         )
+
+    def forget(self, rid: str) -> Request:
+        """Drop a request that has ended and that no I/O refers to any more (a driver that
+        replays a long trace calls this once it has read the request's account)."""
+        r = self.requests.get(rid)
+        if r is None or not r.state.terminal:
+            raise CoreError(f"forget: request {rid!r} has not ended")
+        busy = (
+            any(t.req == rid for t in self._transfers.values())
+            or any(p.req == rid for p in self._prefetches.values())
+            or any(e.req == rid for load in self._loads.values() for e in load.entries)
+        )
+        if busy:
+            raise CoreError(f"forget: request {rid!r} still has I/O in flight")
+        del self.requests[rid]
+        return r
 
     def _emit(self, c: cmd.Command) -> None:
         self._outbox.append(c)
@@ -252,6 +269,8 @@ class DecodeNodeCore:
                     f"needs {total + cfg.decode_reserve_pages} L1 pages, L1 holds {cfg.l1_pages}",
                 )
                 continue
+            if not r.matched and not cfg.radix:
+                r.matched = True  # no decode cache: everything comes from prefill
             if not r.matched:
                 m = self.tree.match(r.keys, self.now)
                 r.matched = True
@@ -657,7 +676,7 @@ class DecodeNodeCore:
         evictable yet (a backup in flight), and a retraction needs room now."""
         keep = len(r.slots) - min(shed, len(r.slots) - r.shared)
         written = r.seq_len if written is None else written
-        full = min(written // self.cfg.page_size, keep)
+        full = min(written // self.cfg.page_size, keep) if self.cfg.radix else 0
         if full:
             self.tree.insert(r.keys[:full], r.slots[:full], r.owner, self.now, priority=r.priority)
         tail = r.slots[max(full, r.shared) :]

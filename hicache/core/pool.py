@@ -86,6 +86,11 @@ class SlotPool:
 
     def _check_owned(self, slots: Sequence[int], owner: Owner, what: str) -> None:
         own = self._owner
+        if slots and min(slots) >= 0 and max(slots) < self.capacity:
+            # The common case, checked at C speed: distinct slots, all held by `owner`.
+            owners = [own[s] for s in slots]
+            if owners.count(owner) == len(slots) and len(set(slots)) == len(slots):
+                return
         seen: set[int] = set()
         for s in slots:
             if not (0 <= s < self.capacity):

@@ -49,6 +49,7 @@ class TreeStats:
     backed_up: int = 0
     backup_failed: int = 0
     stored: int = 0
+    store_skipped: int = 0  # pages not written to L3 because the store backlog was full
     splits: int = 0
 
 
@@ -89,6 +90,7 @@ class TieredRadixTree:
         eviction: str = "lru",
         write_policy: str | WritePolicy = "write_through",
         store_to_l3: bool = False,
+        store_backlog_pages: int | None = None,
         on_host_evict: Callable[[list[int]], None] | None = None,
     ) -> None:
         self.device_pool = device_pool
@@ -97,6 +99,10 @@ class TieredRadixTree:
         self._priority: EvictionPolicy = eviction_policy(eviction)
         self.write_policy = WritePolicy.parse(write_policy)
         self.store_to_l3 = store_to_l3
+        # L2 pages a Store is reading cannot be evicted; when storage falls behind, capping
+        # the backlog keeps L2 usable (the pages are simply not written to L3). None: no cap.
+        self.store_backlog_pages = store_backlog_pages
+        self.store_pending = 0
         self.on_host_evict = on_host_evict  # told the keys of every page that leaves L2
         self.id = next(_tree_ids)
         self._node_ids = itertools.count(1)
@@ -168,6 +174,22 @@ class TieredRadixTree:
             host_node=node,
         )
 
+    def peek(self, keys: Sequence[int]) -> int:
+        """How many leading pages of `keys` the tree holds (L1 or L2), changing nothing: no
+        split, no access counted. A router asks this of every node before choosing one."""
+        i, n = 0, len(keys)
+        node = self.root
+        while i < n:
+            child = node.children.get(keys[i])
+            if child is None:
+                break
+            size = _common_prefix(child.keys, keys, i)
+            i += size
+            if size < len(child.keys):
+                break
+            node = child
+        return i
+
     # ------------------------------------------------------------------ insert
 
     def insert(
@@ -190,11 +212,21 @@ class TieredRadixTree:
         # Validate everything before changing anything: the pages already on L1 may be passed
         # as the tree's own slots (the request's locked prefix) or as the caller's duplicates.
         held = self._device_prefix(keys)
-        for j, s in enumerate(device_slots):
-            if j < len(held) and s == held[j]:
-                continue
-            if not (0 <= s < self.device_pool.capacity) or self.device_pool.owner_of(s) != owner:
-                raise CoreError(f"insert: slot {s} for page {j} is not owned by {owner!r}")
+        h = len(held)
+        if device_slots[:h] == held:
+            rest, base = device_slots[h:], h  # the tree's own prefix: the rest must be `owner`'s
+        else:
+            rest, base = device_slots, 0
+        own = self.device_pool._owner
+        cap = self.device_pool.capacity
+        if rest and not (
+            min(rest) >= 0 and max(rest) < cap and [own[s] for s in rest].count(owner) == len(rest)
+        ):
+            for j, s in enumerate(rest, base):
+                if j < h and s == held[j]:
+                    continue
+                if not (0 <= s < cap) or own[s] != owner:
+                    raise CoreError(f"insert: slot {s} for page {j} is not owned by {owner!r}")
         if len(set(device_slots)) != n:
             raise CoreError("insert: a device slot is given for two pages")
         node = self.root
@@ -483,6 +515,12 @@ class TieredRadixTree:
     def _store(self, nodes: list[TreeNode]) -> None:
         if not nodes:
             return
+        pages = sum(len(n.keys) for n in nodes)
+        cap = self.store_backlog_pages
+        if cap is not None and self.store_pending + pages > cap:
+            self.stats.store_skipped += pages
+            return
+        self.store_pending += pages
         op = next(self._ops)
         keys: list[int] = []
         host: list[int] = []
@@ -506,6 +544,7 @@ class TieredRadixTree:
             keys.extend(n.keys)
             self._push_l2(n)
         self.stats.stored += len(keys)
+        self.store_pending -= len(keys)
         return keys
 
     def _path_order(self, nodes: list[TreeNode]) -> list[TreeNode]:

@@ -1,0 +1,117 @@
+"""One request of any workload, in the form both drivers replay.
+
+A generated workload carries token ids; a trace carries only chained block ids (Mooncake:
+one per 512 tokens; kv-cache-tester: one per 64). Either way a request yields the chained page
+keys of its prompt and of its whole sequence (prompt + output), which is all the cache needs.
+A trace says nothing about the output's content, so its output pages get keys of their own
+that no other request can share.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import attrs
+import numpy as np
+
+from hicache.core.pages import block_page_keys, namespace_seed, page_keys
+from hicache.scenarios.multiturn import ChatRequest
+from hicache.scenarios.traces import TraceRequest
+
+_MASK = (1 << 64) - 1
+
+
+@attrs.frozen(slots=True)
+class WorkItem:
+    """A request to replay: arrival in seconds from the workload's start."""
+
+    id: str
+    arrival: float
+    prompt_len: int
+    output_len: int
+    session: str = ""
+    turn: int = 0
+    tenant: str | None = None
+    prompt: np.ndarray | None = attrs.field(default=None, eq=False, repr=False)  # token ids
+    output: np.ndarray | None = attrs.field(default=None, eq=False, repr=False)
+    blocks: tuple[int, ...] | None = attrs.field(default=None, repr=False)  # chained block ids
+    block_size: int = 0
+
+    def seed(self, model: str) -> int:
+        """The page-key namespace: the model, salted by the tenant when there is one."""
+        return namespace_seed(model, self.tenant)
+
+    def sequence_keys(self, page_size: int, model: str) -> np.ndarray:
+        """Keys of every full page of prompt + output (the prompt's keys are its first
+        `prompt_len // page_size`)."""
+        seed = self.seed(model)
+        total = self.prompt_len + self.output_len
+        if self.prompt is not None and self.output is not None:
+            return page_keys(np.concatenate([self.prompt, self.output]), page_size, seed)
+        if self.blocks is None:
+            # Length-only traces: every page is this request's own.
+            return _private_keys(self.id, seed, 0, total // page_size)
+        # Formats that id only full blocks (kv-cache-tester) leave the prompt's tail unnamed.
+        covered = min(self.prompt_len, len(self.blocks) * self.block_size)
+        prompt = block_page_keys(self.blocks, self.block_size, page_size, covered, seed)
+        # Pages that reach into the output are private; a page wholly inside the prompt keeps
+        # its chained key.
+        private = _private_keys(self.id, seed, len(prompt), total // page_size)
+        return np.concatenate([prompt, private])
+
+    def prompt_keys(self, page_size: int, model: str) -> np.ndarray:
+        return self.sequence_keys(page_size, model)[: self.prompt_len // page_size]
+
+
+def _private_keys(rid: str, seed: int, start: int, stop: int) -> np.ndarray:
+    """Keys for pages [start, stop) that belong to request `rid` alone."""
+    if stop <= start:
+        return np.empty(0, dtype=np.uint64)
+    base = namespace_seed(f"private/{rid}", str(seed))
+    idx = np.arange(start, stop, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        keys = (idx + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15) ^ np.uint64(base)
+    return keys
+
+
+def from_chat(requests: Iterable[ChatRequest], tenant: str | None = None) -> list[WorkItem]:
+    """Generated conversations: ids `c<conversation>t<turn>`."""
+    return [
+        WorkItem(
+            f"c{r.conversation}t{r.turn}",
+            r.arrival,
+            len(r.prompt),
+            len(r.output),
+            session=f"c{r.conversation}",
+            turn=r.turn,
+            tenant=tenant,
+            prompt=r.prompt,
+            output=r.output,
+        )
+        for r in requests
+    ]
+
+
+def from_trace(requests: Iterable[TraceRequest], tenant: str | None = None) -> list[WorkItem]:
+    """Trace requests in arrival order: ids `r<index>`; turns counted per session."""
+    turns: dict[str, int] = {}
+    out = []
+    for i, r in enumerate(requests):
+        session = r.session or ""
+        turn = turns.get(session, 0) if session else 0
+        if session:
+            turns[session] = turn + 1
+        out.append(
+            WorkItem(
+                f"r{i}",
+                r.arrival,
+                r.input_length,
+                r.output_length,
+                session=session,
+                turn=turn,
+                tenant=tenant,
+                blocks=r.block_ids,
+                block_size=r.block_size or 0,
+            )
+        )
+    return out

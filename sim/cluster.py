@@ -1,0 +1,200 @@
+"""A prefill/decode cluster replaying a workload: routers, prefill nodes, decode nodes running
+the core, the shared L3, and the channels between them, all on one event loop."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator, Sequence
+
+import attrs
+
+from hicache.core import commands as cmd
+from hicache.core.config import DecodeConfig
+from hicache.core.decode_node import DecodeNodeCore
+from hicache.scenarios.workload import WorkItem
+from hicache.sim.channel import Channel
+from hicache.sim.costs import NodeCosts
+from hicache.sim.decode import DecodeDriver, LiveRequest
+from hicache.sim.engine import EventLoop
+from hicache.sim.prefill import PrefillJob, PrefillNode
+from hicache.sim.results import RequestRecord, summarize
+from hicache.sim.router import Router
+from hicache.sim.store import SharedStore
+
+
+@attrs.frozen(slots=True)
+class ClusterSetup:
+    """Everything a run needs, resolved: costs, channel speeds, node counts, the core's config.
+    Bandwidths are bytes/s per node (already multiplied by the GPUs of a node)."""
+
+    costs: NodeCosts
+    decode: DecodeConfig
+    model_name: str = "model"  # the page-key namespace
+    prefill_nodes: int = 1
+    decode_nodes: int = 1
+    router: str = "round_robin"
+    prefill_cache_pages: tuple[int, int] | None = None  # (L1, L2) pages per prefill node
+    host_bandwidth: float = 63e9
+    host_latency: float = 10e-6
+    network_bandwidth: float = 50e9
+    network_latency: float = 5e-6
+    storage_bandwidth: float = 10e9
+    storage_latency: float = 2e-3
+    storage_capacity_pages: int = 0
+    max_running: int = 256
+    tick_interval: float = 0.002
+
+
+@attrs.define(slots=True)
+class RunResult:
+    records: list[RequestRecord]
+    summary: dict
+    channels: dict[str, dict[str, float]]
+
+
+class Cluster:
+    def __init__(self, setup: ClusterSetup) -> None:
+        self.setup = setup
+        self.loop = EventLoop()
+        s = setup
+        cfg = s.decode
+        store = None
+        if cfg.storage or s.prefill_cache_pages is not None:
+            store = SharedStore(
+                Channel("L3", s.storage_bandwidth, s.storage_latency), s.storage_capacity_pages
+            )
+        self.store = store
+        self.prefill = [
+            PrefillNode(
+                i,
+                self.loop,
+                s.costs,
+                page_size=cfg.page_size,
+                host=Channel(f"P{i}.h2d", s.host_bandwidth, s.host_latency),
+                store=store,
+                cache_pages=s.prefill_cache_pages,
+            )
+            for i in range(s.prefill_nodes)
+        ]
+        self.decode = [
+            DecodeDriver(
+                i,
+                self.loop,
+                DecodeNodeCore(cfg),
+                s.costs,
+                h2d=Channel(f"D{i}.h2d", s.host_bandwidth, s.host_latency),
+                d2h=Channel(f"D{i}.d2h", s.host_bandwidth, s.host_latency),
+                network=Channel(f"D{i}.net", s.network_bandwidth, s.network_latency),
+                store=store if cfg.storage else None,
+                max_running=s.max_running,
+                tick_interval=s.tick_interval,
+                on_response=self._respond,
+            )
+            for i in range(s.decode_nodes)
+        ]
+        self.prefill_router = Router(s.router, s.prefill_nodes)
+        self.decode_router = Router(s.router, s.decode_nodes)
+        self.records: list[RequestRecord] = []
+        self._items: dict[str, WorkItem] = {}
+        self._nodes: dict[str, tuple[int, int]] = {}
+        self._progress: Callable[[int], None] | None = None
+
+    def run(self, items: Sequence[WorkItem], progress: Callable[[int], None] | None = None) -> RunResult:
+        """Replay `items` (sorted by arrival) to the end; `progress(n)` hears of n more answers."""
+        self._progress = progress
+        page = self.setup.decode.page_size
+        model = self.setup.model_name
+        arrivals = iter(items)
+        first = next(arrivals, None)
+        if first is not None:
+            self.loop.at(first.arrival, self._arrive, first, arrivals, page, model)
+        start = time.perf_counter()
+        self.loop.run()
+        wall = time.perf_counter() - start
+        for d in self.decode:
+            d.core.check()
+            if d.live or not d.core.idle:
+                raise RuntimeError(f"decode node {d.index} did not come to rest: {len(d.live)} requests live")
+        self.records.sort(key=lambda r: (r.arrival, r.id))
+        events = self.loop.events_run
+        summary = summarize(self.records, events=events, wall_s=wall, sim_s=self.loop.now)
+        summary["core_events"] = sum(d.core_events for d in self.decode)
+        channels = {}
+        for c in self._channels():
+            channels[c.name] = {
+                "bytes": c.bytes_moved,
+                "transfers": c.transfers,
+                "utilization": c.busy_time / self.loop.now if self.loop.now > 0 else 0.0,
+            }
+        return RunResult(self.records, summary, channels)
+
+    def _channels(self) -> list[Channel]:
+        out = [p.host for p in self.prefill]
+        for d in self.decode:
+            out += [d.h2d, d.d2h, d.network]
+        if self.store is not None:
+            out.append(self.store.channel)
+        return out
+
+    def _arrive(self, item: WorkItem, arrivals: Iterator[WorkItem], page: int, model: str) -> None:
+        # Arrivals are scheduled one ahead, which keeps the event heap small.
+        after = next(arrivals, None)
+        if after is not None:
+            self.loop.at(max(after.arrival, self.loop.now), self._arrive, after, arrivals, page, model)
+        seq = item.sequence_keys(page, model).tolist()
+        prompt = seq[: item.prompt_len // page]
+        p = self.prefill_router.choose(
+            item.session, [n.load for n in self.prefill], lambda i: self.prefill[i].peek(prompt)
+        )
+        d = self.decode_router.choose(
+            item.session, [n.load for n in self.decode], lambda i: self.decode[i].core.tree.peek(prompt)
+        )
+        self._items[item.id] = item
+        self._nodes[item.id] = (p, d)
+        node = self.prefill[p]
+        node.submit(PrefillJob(item.id, item.prompt_len, prompt, self.loop.now))
+        live = LiveRequest(item.id, item.prompt_len, max(1, item.output_len), seq, item.arrival, node)
+        self.decode[d].arrive(live)
+
+    def _respond(self, live: LiveRequest, c: cmd.Respond) -> None:
+        item = self._items.pop(live.rid)
+        p, d = self._nodes.pop(live.rid)
+        driver = self.decode[d]
+        r = driver.core.forget(live.rid)
+        a = r.account
+        ok = c.outcome == "finished"
+        ttft = live.first_token - live.arrival if live.first_token >= 0 else math.nan
+        tpot = (
+            (live.finished - live.first_token) / (live.output_len - 1)
+            if ok and live.output_len > 1
+            else math.nan
+        )
+        self.records.append(
+            RequestRecord(
+                id=live.rid,
+                session=item.session,
+                turn=item.turn,
+                arrival=item.arrival,
+                prefill_node=p,
+                decode_node=d,
+                prompt_tokens=item.prompt_len,
+                output_tokens=live.output_len,
+                outcome=c.outcome,
+                reason=c.reason,
+                ttft_s=ttft,
+                tpot_s=tpot,
+                e2e_s=live.finished - live.arrival,
+                cached_l1=a.l1,
+                cached_l2=a.l2,
+                cached_l3=a.l3,
+                transferred_tokens=a.transferred,
+                promised_tokens=max(0, live.promised_tokens),
+                fallback_tokens=a.fallback,
+                prefill_cached_tokens=live.prefill_cached,
+                pd_transfer_bytes=live.pd_bytes,
+                retractions=a.retractions,
+            )
+        )
+        if self._progress is not None:
+            self._progress(1)

@@ -1,0 +1,176 @@
+"""A prefill node: a FIFO of prompts, its own tiered cache, and the compute they cost.
+
+Like a real HiCache deployment, a prefill node keeps the core's tiered tree (L1 on its GPUs,
+L2 in host memory) and reads the shared L3, so it computes only the part of a prompt that none
+of them holds. Restoring that prefix costs time too: L2 pages cross the host link, L3 pages
+come through the shared storage channel and then the host link — only when that is faster than
+computing them again, counting the storage channel's backlog. A switch turns the cache off
+(every prompt computed from scratch).
+
+Simplifications, stated: a node runs one prompt at a time at its full compute rate (chunked
+prefill batching changes latency, not throughput, of a compute-bound phase), and its restore
+holds the node; what it computed enters its tree at once with write-through backups completed
+immediately (its own L2 traffic is not modelled); it writes nothing to L3.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+import attrs
+
+from hicache.core.commands import Backup
+from hicache.core.pool import SlotPool
+from hicache.core.tree import TieredRadixTree
+from hicache.sim.channel import Channel
+from hicache.sim.costs import NodeCosts
+from hicache.sim.engine import EventLoop
+from hicache.sim.store import SharedStore
+
+
+@attrs.define(slots=True, eq=False)
+class PrefillJob:
+    rid: str
+    prompt_len: int
+    keys: list[int]  # the prompt's full-page keys
+    arrival: float
+    started: float = -1.0
+    done_at: float = -1.0
+    cached_tokens: int = 0  # of the prompt, not computed here
+    waiting: list[Callable[[], None]] = attrs.Factory(list)
+
+
+class PrefillNode:
+    def __init__(
+        self,
+        index: int,
+        loop: EventLoop,
+        costs: NodeCosts,
+        *,
+        page_size: int,
+        host: Channel,
+        store: SharedStore | None,
+        cache_pages: tuple[int, int] | None,  # (L1, L2) pages, or None for no prefill cache
+    ) -> None:
+        self.index = index
+        self.loop = loop
+        self.costs = costs
+        self.page = page_size
+        self.kvb = costs.model.kv_bytes_per_token
+        self.host = host
+        self.store = store
+        self.tree: TieredRadixTree | None = None
+        if cache_pages is not None:
+            l1, l2 = cache_pages
+            self.tree = TieredRadixTree(
+                SlotPool(f"P{index}.L1", l1), SlotPool(f"P{index}.L2", l2), write_policy="write_through"
+            )
+        self.queue: deque[PrefillJob] = deque()
+        self.jobs: dict[str, PrefillJob] = {}
+        self.busy = False
+        self.computed_tokens = 0
+        self.cached_tokens = 0
+
+    @property
+    def load(self) -> int:
+        return len(self.queue) + int(self.busy)
+
+    def peek(self, keys: list[int]) -> int:
+        """Pages of `keys` this node could restore (its tree, then L3): for the router."""
+        if self.tree is None:
+            return 0
+        return self.tree.peek(keys)
+
+    def submit(self, job: PrefillJob) -> None:
+        self.jobs[job.rid] = job
+        self.queue.append(job)
+        if not self.busy:
+            self._next()
+
+    def when_done(self, rid: str, fn: Callable[[], None]) -> None:
+        """Run `fn` once the prompt's KV exists on this node (now, if it already does)."""
+        job = self.jobs[rid]
+        if job.done_at >= 0:
+            fn()
+        else:
+            job.waiting.append(fn)
+
+    def release(self, rid: str) -> None:
+        """The decode node has everything it asked for: forget the job."""
+        self.jobs.pop(rid, None)
+
+    def _next(self) -> None:
+        if not self.queue:
+            self.busy = False
+            return
+        self.busy = True
+        job = self.queue.popleft()
+        now = self.loop.now
+        job.started = now
+        page = self.page
+        ready = now
+        lock = None
+        device_slots: list[int] = []
+        if self.tree is not None:
+            m = self.tree.match(job.keys, now)
+            self._finish_backups()
+            lock = self.tree.lock(m.device_node)
+            device_slots = m.device_slots
+            l1, l2 = m.device_pages, m.host_pages
+            l3 = self.store.prefix_hits(job.keys, l1 + l2) if self.store is not None else 0
+            if l3 and self._l3_read_seconds(l3, now) > self.costs.prefill_seconds(
+                l3 * page, (l1 + l2) * page
+            ):
+                l3 = 0  # storage is slower (or busier) than computing those pages again
+            if l2:
+                ready = max(ready, self.host.reserve(now, l2 * page * self.kvb).done)
+            if l3:
+                read = self.store.channel.reserve(now, l3 * page * self.kvb)  # type: ignore[union-attr]
+                self.store.touch(job.keys[l1 + l2 : l1 + l2 + l3])  # type: ignore[union-attr]
+                ready = max(ready, self.host.reserve(read.done, l3 * page * self.kvb).done)
+            # The last prompt token is always computed: it yields the first output token.
+            job.cached_tokens = min((l1 + l2 + l3) * page, job.prompt_len - 1)
+        compute = job.prompt_len - job.cached_tokens
+        self.computed_tokens += compute
+        self.cached_tokens += job.cached_tokens
+        done = ready + self.costs.prefill_seconds(compute, job.cached_tokens)
+        self.loop.at(done, self._done, job, lock, device_slots)
+
+    def _l3_read_seconds(self, pages: int, now: float) -> float:
+        """Queueing behind the storage channel's backlog, then the read and the host copy."""
+        ch = self.store.channel  # type: ignore[union-attr]
+        nbytes = pages * self.page * self.kvb
+        queued = max(0.0, ch.free_at - now)
+        return queued + ch.latency + nbytes / ch.bandwidth + self.host.latency + nbytes / self.host.bandwidth
+
+    def _done(self, job: PrefillJob, lock: object, device_slots: list[int]) -> None:
+        job.done_at = self.loop.now
+        if self.tree is not None:
+            self._insert(job, lock, device_slots)
+        waiting, job.waiting = job.waiting, []
+        for fn in waiting:
+            fn()
+        self._next()
+
+    def _insert(self, job: PrefillJob, lock: object, device_slots: list[int]) -> None:
+        tree = self.tree
+        assert tree is not None
+        owner = ("prefill", job.rid)
+        need = len(job.keys) - len(device_slots)
+        pool = tree.device_pool
+        if need > pool.num_free:
+            tree.evict_device(need - pool.num_free)
+            self._finish_backups()
+        slots = pool.alloc(need, owner) if need <= pool.num_free else None
+        tree.unlock(lock)  # type: ignore[arg-type]
+        if slots is not None:
+            tree.insert(job.keys, device_slots + slots, owner, self.loop.now)
+        self._finish_backups()
+
+    def _finish_backups(self) -> None:
+        tree = self.tree
+        assert tree is not None
+        for c in tree.drain():
+            if isinstance(c, Backup):
+                tree.backup_done(c.op)

@@ -1,0 +1,112 @@
+"""What a run reports: one record per request, and the summary of a run.
+
+The summary's keys are the contract with users' scripts (and with the runtime, which writes
+the same schema with measured instead of modelled times): `requests`, `completed`, `failed`,
+`ttft_s` and `tpot_s` (mean, p50, p90, p99), `prompt_tokens`, `cached_tokens` by tier,
+`hit_rate`, `prefill_cached_tokens`, `pd_transfer_bytes`, `fallback_tokens`, `events`, `wall_s`.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import numpy as np
+
+
+@attrs.define(slots=True)
+class RequestRecord:
+    id: str
+    session: str
+    turn: int
+    arrival: float
+    prefill_node: int
+    decode_node: int
+    prompt_tokens: int
+    output_tokens: int
+    outcome: str
+    reason: str
+    ttft_s: float  # NaN unless the request reached the decode batch
+    tpot_s: float  # NaN for single-token outputs
+    e2e_s: float
+    cached_l1: int
+    cached_l2: int
+    cached_l3: int
+    transferred_tokens: int
+    promised_tokens: int
+    fallback_tokens: int
+    prefill_cached_tokens: int
+    pd_transfer_bytes: float
+    retractions: int
+
+    @property
+    def cached(self) -> int:
+        return self.cached_l1 + self.cached_l2 + self.cached_l3
+
+
+FIELDS = [f.name for f in attrs.fields(RequestRecord)]
+
+
+def _dist(values: Sequence[float]) -> dict[str, float | None]:
+    arr = np.asarray([v for v in values if not math.isnan(v)], dtype=np.float64)
+    if arr.size == 0:
+        return {"mean": None, "p50": None, "p90": None, "p99": None}
+    p50, p90, p99 = np.percentile(arr, [50, 90, 99])
+    return {"mean": float(arr.mean()), "p50": float(p50), "p90": float(p90), "p99": float(p99)}
+
+
+def summarize(
+    records: Sequence[RequestRecord], *, events: int, wall_s: float, sim_s: float
+) -> dict[str, Any]:
+    done = [r for r in records if r.outcome == "finished"]
+    prompt = sum(r.prompt_tokens for r in done)
+    l1 = sum(r.cached_l1 for r in done)
+    l2 = sum(r.cached_l2 for r in done)
+    l3 = sum(r.cached_l3 for r in done)
+    return {
+        "requests": len(records),
+        "completed": len(done),
+        "failed": sum(r.outcome == "failed" for r in records),
+        "ttft_s": _dist([r.ttft_s for r in done]),
+        "tpot_s": _dist([r.tpot_s for r in done]),
+        "e2e_s": _dist([r.e2e_s for r in done]),
+        "prompt_tokens": prompt,
+        "cached_tokens": {"l1": l1, "l2": l2, "l3": l3},
+        "hit_rate": (l1 + l2 + l3) / prompt if prompt else 0.0,
+        "prefill_cached_tokens": sum(r.prefill_cached_tokens for r in done),
+        "pd_transfer_bytes": float(sum(r.pd_transfer_bytes for r in records)),
+        "fallback_tokens": sum(r.fallback_tokens for r in records),
+        "retractions": sum(r.retractions for r in records),
+        "events": events,
+        "wall_s": wall_s,
+        "simulated_s": sim_s,
+    }
+
+
+def write_requests_csv(path: Path, runs: Iterable[tuple[str, Sequence[RequestRecord]]]) -> None:
+    """One row per request and run; the `run` column names the baseline or policy."""
+    tmp = path.with_suffix(".csv.tmp")
+    with tmp.open("w", newline="", encoding="utf-8") as f:
+        w = csv.writer(f)
+        w.writerow(["run", *FIELDS])
+        for label, records in runs:
+            for r in records:
+                w.writerow([label, *(_cell(getattr(r, name)) for name in FIELDS)])
+    tmp.replace(path)
+
+
+def _cell(value: object) -> object:
+    if isinstance(value, float):
+        return "" if math.isnan(value) else repr(value)
+    return value
+
+
+def write_summary_json(path: Path, doc: dict[str, Any]) -> None:
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(doc, indent=2, sort_keys=False) + "\n", encoding="utf-8")
+    tmp.replace(path)

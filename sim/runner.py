@@ -1,0 +1,89 @@
+"""Run a scenario's baselines side by side and write what a researcher keeps: `summary.json`,
+`requests.csv` and the plots."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from hicache.scenarios.build import build_workload
+from hicache.scenarios.scenario import Scenario
+from hicache.scenarios.workload import WorkItem
+from hicache.sim import plots
+from hicache.sim.cluster import Cluster, RunResult
+from hicache.sim.results import write_requests_csv, write_summary_json
+from hicache.sim.setup import setups
+
+
+def run_baselines(
+    scenario: Scenario, items: Sequence[WorkItem] | None = None, *, progress: bool = False
+) -> dict[str, RunResult]:
+    """Every baseline of the scenario on the same workload, in the scenario's order."""
+    items = build_workload(scenario) if items is None else items
+    out = {}
+    for label, setup in setups(scenario).items():
+        bar = tqdm(total=len(items), desc=f"{label:>15}", unit="req", disable=not progress, leave=True)
+        update: Callable[[int], None] = bar.update
+        try:
+            out[label] = Cluster(setup).run(items, update)
+        finally:
+            bar.close()
+    return out
+
+
+def write_outputs(out: Path, scenario: Scenario, results: dict[str, RunResult]) -> list[Path]:
+    """summary.json, requests.csv and three PNGs under `out`; returns the paths written."""
+    out.mkdir(parents=True, exist_ok=True)
+    doc: dict[str, Any] = {
+        "scenario": scenario.to_dict(),
+        "runs": {k: {**r.summary, "channels": r.channels} for k, r in results.items()},
+    }
+    paths = [out / "summary.json", out / "requests.csv"]
+    write_summary_json(paths[0], doc)
+    write_requests_csv(paths[1], ((k, r.records) for k, r in results.items()))
+    summaries = {k: r.summary for k, r in results.items()}
+    title = scenario.name
+    for name, draw in (
+        ("ttft_cdf.png", lambda p: plots.ttft_cdf(p, {k: r.records for k, r in results.items()}, title)),
+        ("cached_by_tier.png", lambda p: plots.cached_by_tier(p, summaries, title)),
+        ("pd_transfer.png", lambda p: plots.pd_bytes(p, summaries, title)),
+    ):
+        draw(out / name)
+        paths.append(out / name)
+    return paths
+
+
+def table(results: dict[str, RunResult]) -> str:
+    """The summary table printed after a run."""
+    head = (
+        f"{'run':<16}{'done':>6}{'fail':>5}{'TTFT mean':>11}{'p90':>9}{'p99':>9}{'TPOT ms':>9}"
+        f"{'hit':>7}{'L1':>7}{'L2':>7}{'L3':>7}{'P->D GB':>9}{'fallback':>10}{'events':>9}{'wall s':>8}"
+    )
+    lines = [head]
+    for label, r in results.items():
+        s = r.summary
+        prompt = max(s["prompt_tokens"], 1)
+        ttft, tpot = s["ttft_s"], s["tpot_s"]
+
+        def f(x: float | None, scale: float = 1.0, fmt: str = ".3f") -> str:
+            return "-" if x is None else format(x * scale, fmt)
+
+        lines.append(
+            f"{label:<16}{s['completed']:>6}{s['failed']:>5}{f(ttft['mean']):>11}{f(ttft['p90']):>9}"
+            f"{f(ttft['p99']):>9}{f(tpot['mean'], 1e3, '.1f'):>9}{s['hit_rate']:>7.1%}"
+            f"{s['cached_tokens']['l1'] / prompt:>7.1%}{s['cached_tokens']['l2'] / prompt:>7.1%}"
+            f"{s['cached_tokens']['l3'] / prompt:>7.1%}{s['pd_transfer_bytes'] / 1e9:>9.1f}"
+            f"{s['fallback_tokens']:>10}{s['events']:>9}{s['wall_s']:>8.2f}"
+        )
+    lines.append(
+        "(TTFT in seconds; hit and L1/L2/L3 are shares of prompt tokens restored on the decode node)"
+    )
+    return "\n".join(lines)
+
+
+def summary_doc(results: dict[str, RunResult]) -> str:
+    return json.dumps({k: r.summary for k, r in results.items()}, indent=2)

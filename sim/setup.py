@@ -1,0 +1,143 @@
+"""From a scenario to the simulator's resolved setups, one per baseline.
+
+Baselines differ only in the decode node's cache, on the same workload and hardware:
+- `no_decode_cache`: no radix tree on the decode node; prefill ships the whole prompt's KV;
+- `l1`: a radix tree over the GPU KV pool only;
+- `l1_l2`: plus host memory (`hicache_ratio` x L1);
+- `l1_l2_l3`: plus the shared storage tier.
+Prefill nodes are the same in every baseline (their cache follows `cluster.prefill_cache`).
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from hicache.scenarios.scenario import Scenario, ScenarioError
+from hicache.sim.cluster import ClusterSetup
+from hicache.sim.costs import NodeCosts
+from hicache.sim.geometry import ModelGeometry, model_preset
+from hicache.sim.hardware import GPU, gpu_preset, link_preset
+
+BASELINES = ("no_decode_cache", "l1", "l1_l2", "l1_l2_l3")
+
+
+def _fail(scenario: Scenario, field: str, exc: Exception) -> ScenarioError:
+    return ScenarioError(scenario.source or scenario.name, field, str(exc))
+
+
+def model_of(scenario: Scenario) -> ModelGeometry:
+    spec = scenario.model
+    fields = {
+        "name": spec.name,
+        "layers": spec.layers,
+        "q_heads": spec.q_heads,
+        "kv_heads": spec.kv_heads,
+        "head_dim": spec.head_dim,
+        "active_params": spec.params,
+        "total_params": spec.total_params,
+        "dtype_bytes": spec.dtype_bytes,
+        "mla_kv_lora_rank": spec.mla_kv_lora_rank,
+        "mla_rope_dim": spec.mla_rope_dim,
+    }
+    given = {k: v for k, v in fields.items() if v is not None}
+    try:
+        if spec.preset:
+            return attrs.evolve(model_preset(spec.preset), **given)
+        if "total_params" not in given and "active_params" in given:
+            given["total_params"] = given["active_params"]
+        return ModelGeometry(**given)
+    except (ValueError, TypeError) as exc:
+        raise _fail(scenario, "model.preset" if spec.preset else "model", exc) from None
+
+
+def gpu_of(scenario: Scenario) -> GPU:
+    hw = scenario.hardware
+    try:
+        gpu = gpu_preset(hw.gpu)
+    except ValueError as exc:
+        raise _fail(scenario, "hardware.gpu", exc) from None
+    changes: dict[str, float] = {"efficiency": hw.efficiency}
+    if hw.hbm_bandwidth is not None:
+        changes["hbm_bandwidth"] = hw.hbm_bandwidth
+    if hw.flops is not None:
+        changes["bf16_flops"] = hw.flops
+    return attrs.evolve(gpu, **changes)
+
+
+def setups(scenario: Scenario) -> dict[str, ClusterSetup]:
+    """The resolved setup of every baseline the scenario asks for, in its order."""
+    hw, cl, st, cache = scenario.hardware, scenario.cluster, scenario.storage, scenario.cache
+    model = model_of(scenario)
+    gpu = gpu_of(scenario)
+    costs = NodeCosts(model, gpu, hw.gpus_per_node, cl.decode_step_overhead)
+    try:
+        host = link_preset(hw.host_link)
+    except ValueError as exc:
+        raise _fail(scenario, "hardware.host_link", exc) from None
+    try:
+        net = link_preset(hw.network)
+    except ValueError as exc:
+        raise _fail(scenario, "hardware.network", exc) from None
+    gpus = hw.gpus_per_node
+    host_bw = (hw.host_bandwidth or host.bandwidth) * gpus
+    net_bw = (hw.network_bandwidth or net.bandwidth) * gpus
+    net_lat = net.latency if hw.network_latency is None else hw.network_latency
+    page = cache.page_size
+    try:
+        capacity = costs.kv_capacity_tokens(hw.mem_fraction)
+    except ValueError as exc:
+        raise _fail(scenario, "hardware.mem_fraction", exc) from None
+    l1_tokens = cache.l1_tokens or capacity
+    l1_pages = l1_tokens // page
+    l2_pages = cache.l2_tokens_for(l1_pages * page) // page
+    if l1_pages < 1:
+        raise _fail(scenario, "cache.l1_tokens", ValueError(f"holds no page of {page} tokens"))
+    prefill_pages = None
+    if cl.prefill_cache:
+        p1 = capacity // page
+        prefill_pages = (p1, int(p1 * cache.hicache_ratio))
+    estimates = {
+        "kv_bytes_per_token": float(model.kv_bytes_per_token),
+        "l3_bandwidth": st.bandwidth,
+        "l3_latency": st.latency,
+        "host_to_device_bandwidth": host_bw,
+        "network_bandwidth": net_bw,
+        "network_latency": net_lat,
+        # Prefill computes every prompt token its own cache lacks whatever the decode node
+        # promises, so a promise saves only the transfer: no compute term in the estimate.
+        "prefill_tokens_per_s": 1e18,
+    }
+    out = {}
+    for baseline in scenario.run.baselines:
+        if baseline not in BASELINES:
+            raise _fail(scenario, "run.baselines", ValueError(f"unknown baseline {baseline!r}"))
+        l2 = 0 if baseline in ("no_decode_cache", "l1") else l2_pages
+        try:
+            decode = cache.decode_config(
+                l1_pages,
+                l2,
+                storage=baseline == "l1_l2_l3",
+                radix=baseline != "no_decode_cache",
+                **estimates,
+            )
+        except ValueError as exc:
+            raise _fail(scenario, "cache", exc) from None
+        out[baseline] = ClusterSetup(
+            costs=costs,
+            decode=decode,
+            model_name=model.name,
+            prefill_nodes=cl.prefill_nodes,
+            decode_nodes=cl.decode_nodes,
+            router=cl.router,
+            prefill_cache_pages=prefill_pages,
+            host_bandwidth=host_bw,
+            host_latency=host.latency,
+            network_bandwidth=net_bw,
+            network_latency=net_lat,
+            storage_bandwidth=st.bandwidth,
+            storage_latency=st.latency,
+            storage_capacity_pages=st.capacity_tokens // page,
+            max_running=cl.max_running,
+            tick_interval=cl.tick_interval,
+        )
+    return out
