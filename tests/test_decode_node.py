@@ -117,3 +117,36 @@ def test_requests_admitted_in_one_tick_share_one_storage_query_and_one_load_back
     for rid in ("b", "c"):
         acc = w.core.requests[rid].account
         assert acc.l2 == 40 and acc.l2 + acc.transferred == 49
+
+
+def test_without_a_radix_every_prompt_is_transferred_whole_and_nothing_is_kept() -> None:
+    w = World(cfg(storage=False, l2_pages=0, radix=False))
+    for turn, rid in enumerate(("t1", "t2")):
+        tokens = list(range(10)) if turn == 0 else w.tokens["t1"] + [7, 7, 7]
+        w.arrive(rid, tokens)
+        (kv,) = of(cmd.RequestKV, w.tick())
+        assert (kv.start, kv.end) == (0, len(tokens))
+        w.kv_arrive(kv.transfer)
+        w.decode(rid, 6)
+        w.finish(rid)
+    assert w.core.tree.num_nodes == 0
+    assert w.core.device_pool.num_free == w.core.device_pool.capacity
+    with pytest.raises(ValueError, match="radix=False"):
+        cfg(radix=False)  # storage and L2 make no sense without a tree
+
+
+def test_forget_drops_only_ended_requests_without_io() -> None:
+    w = World(cfg(storage=False))
+    w.arrive("a", list(range(10)))
+    (kv,) = of(cmd.RequestKV, w.tick())
+    with pytest.raises(CoreError, match="has not ended"):
+        w.core.forget("a")
+    w.abort("a")  # the transfer is still writing into the request's slots
+    with pytest.raises(CoreError, match="still has I/O in flight"):
+        w.core.forget("a")
+    w.kv_arrive(kv.transfer)
+    assert w.core.forget("a").outcome == "aborted"
+    assert "a" not in w.core.requests
+    with pytest.raises(CoreError, match="has not ended"):
+        w.core.forget("a")
+    w.core.check()

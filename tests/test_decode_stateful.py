@@ -55,13 +55,16 @@ def configs(draw: st.DrawFn) -> DecodeConfig:
             host_to_device_bandwidth=draw(st.sampled_from([1e9, 1.0])),
             l3_latency=draw(st.sampled_from([0.0, 5.0, 12.0])),
         )
+    radix = draw(st.sampled_from([True] * 7 + [False]), label="radix")  # False: no decode cache
     return DecodeConfig(
         l1_pages=draw(st.integers(12, 40), label="l1_pages"),
-        l2_pages=draw(st.integers(0, 60), label="l2_pages"),
+        l2_pages=draw(st.integers(0, 60), label="l2_pages") if radix else 0,
         page_size=page,
         eviction=draw(st.sampled_from(sorted(EVICTION_POLICIES))),
         write_policy=draw(st.sampled_from([p.value for p in WritePolicy])),
-        storage=draw(st.sampled_from([True, True, False]), label="storage"),
+        storage=draw(st.sampled_from([True, True, False]), label="storage") if radix else False,
+        radix=radix,
+        store_backlog=draw(st.sampled_from([0.25, 0.0, 10.0]), label="store_backlog"),
         promise=promise,
         prefetch_policy=draw(st.sampled_from(PREFETCH_POLICIES)),
         prefetch_threshold_tokens=draw(st.integers(0, 2 * page)),

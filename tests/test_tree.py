@@ -856,3 +856,31 @@ def test_write_back_pending_eviction_survives_a_split() -> None:
     tree.check()
     assert sorted(done.demoted_keys) == [1, 2, 3, 4]  # the 4 pending pages free now
     assert dev.num_free == 8
+
+
+def test_peek_counts_held_pages_and_changes_nothing() -> None:
+    tree, _, _ = make_tree(write_policy="write_back")
+    put(tree, [1, 2, 3, 4])
+    before = snapshot(tree)
+    assert tree.peek([1, 2, 3, 4, 5]) == 4
+    assert tree.peek([1, 2, 9]) == 2  # ends inside a node: no split
+    assert tree.peek([7]) == 0 and tree.peek([]) == 0
+    assert snapshot(tree) == before
+    assert tree.stats.splits == 0
+
+
+def test_store_backlog_cap_skips_stores_instead_of_pinning_l2() -> None:
+    tree, _, host = make_tree(l1=16, l2=16, store_to_l3=True, store_backlog_pages=3)
+    put(tree, [1, 2], owner="a")
+    tree.backup_done(one_backup(tree).op)
+    first = one_store(tree)  # 2 pages waiting on storage
+    put(tree, [5, 6], owner="b")
+    tree.backup_done(one_backup(tree).op)
+    assert tree.drain() == []  # 2 more would exceed the backlog of 3: not stored
+    assert tree.stats.store_skipped == 2 and tree.store_pending == 2
+    tree.store_done(first.op)
+    assert tree.store_pending == 0
+    # the skipped pages are evictable from L2 (nothing reads them), the stored ones in L3
+    assert node_at(tree, [5, 6]).ops == set() and node_at(tree, [1, 2]).in_l3
+    tree.check()
+    assert host.num_free == 12
