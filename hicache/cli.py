@@ -54,6 +54,55 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--out", type=Path, default=None, help="results folder (default out/<scenario name>)")
     run.add_argument("--quiet", action="store_true", help="no progress bars")
     _add_set(run)
+    node = sub.add_parser("node", help="run one runtime node (a process)").add_subparsers(
+        dest="node_command", required=True
+    )
+    prefill = node.add_parser(
+        "prefill", help="a prefill node: computes KV and writes it into decode nodes' L1"
+    )
+    decode = node.add_parser("decode", help="a decode node: the core, real tiers, real transfers")
+    for p in (prefill, decode):
+        p.add_argument("--port", type=int, default=0, help="listening port (0: any free one)")
+        p.add_argument("--host", default="127.0.0.1")
+        p.add_argument("--engine", choices=["nixl", "tcp"], default="nixl", help="the P->D transfer engine")
+        p.add_argument("--page-size", type=int, default=16, help="tokens per page")
+        p.add_argument("--model-seed", type=int, default=0, help="the small model's weights")
+    prefill.add_argument("--staging-pages", type=int, default=1024)
+    decode.add_argument(
+        "--prefill", required=True, metavar="HOST:PORT", help="the prefill node's control port"
+    )
+    decode.add_argument("--storage-dir", type=Path, default=None, help="L3 file store (default: in memory)")
+    decode.add_argument("--l1-pages", type=int, default=1024)
+    decode.add_argument("--l2-pages", type=int, default=2048)
+    decode.add_argument("--tick-interval", type=float, default=0.002)
+    for name in ("promise", "prefetch-policy", "write-policy", "eviction", "retract-policy"):
+        decode.add_argument(f"--{name}", default=None)
+    decode.add_argument("--prefetch-threshold-tokens", type=int, default=None)
+    decode.add_argument("--decode-reserve-tokens", type=int, default=None)
+    decode.add_argument("--no-storage", action="store_true", help="no L3 at all")
+    run = sub.add_parser(
+        "run",
+        help="replay a scenario on real nodes (--runtime): a prefill and a decode process on loopback",
+        description="Starts one prefill and one decode process locally, replays the scenario's requests, "
+        "verifies every request's KV and tokens, and writes summary.json and requests.csv (measured times).",
+    )
+    run.add_argument("scenario", type=Path)
+    run.add_argument("--runtime", action="store_true", required=True, help="run on the real runtime")
+    run.add_argument("--engine", choices=["nixl", "tcp"], default="nixl")
+    run.add_argument("--out", type=Path, default=None, help="results folder (default out/<name>-runtime)")
+    run.add_argument(
+        "--storage-dir", type=Path, default=None, help="L3 directory (default: a fresh one in --out)"
+    )
+    run.add_argument("--limit", type=int, default=0, help="replay only the first N requests")
+    run.add_argument(
+        "--sequential", action="store_true", help="one request at a time, waiting for the node to rest"
+    )
+    run.add_argument(
+        "--time-scale", type=float, default=1.0, help="multiply arrival times (0: as fast as possible)"
+    )
+    run.add_argument("--no-verify", action="store_true", help="skip the end-to-end KV and token checks")
+    run.add_argument("--quiet", action="store_true")
+    _add_set(run)
     trace = sub.add_parser("trace", help="inspect a trace").add_subparsers(
         dest="trace_command", required=True
     )
@@ -104,6 +153,75 @@ def run_sim(scenario_path: Path, overrides: list[str], out: Path | None, *, prog
     return 0
 
 
+def _decode_config(args: argparse.Namespace):
+    from hicache.core.config import DecodeConfig
+
+    policy = {
+        key: getattr(args, key)
+        for key in (
+            "promise",
+            "prefetch_policy",
+            "write_policy",
+            "eviction",
+            "retract_policy",
+            "prefetch_threshold_tokens",
+            "decode_reserve_tokens",
+        )
+        if getattr(args, key) is not None
+    }
+    return DecodeConfig(
+        l1_pages=args.l1_pages,
+        l2_pages=args.l2_pages,
+        page_size=args.page_size,
+        storage=not args.no_storage,
+        **policy,
+    )
+
+
+def run_node(args: argparse.Namespace) -> int:
+    from hicache.runtime import nodes
+    from hicache.runtime.model import TinyConfig
+
+    model = TinyConfig(seed=args.model_seed)
+    if args.node_command == "prefill":
+        opts = nodes.PrefillOptions(
+            args.port, args.host, args.engine, args.page_size, model, args.staging_pages
+        )
+        return nodes.main_prefill(opts)
+    host, _, port = args.prefill.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"--prefill: expected HOST:PORT, got {args.prefill!r}")
+    opts = nodes.DecodeOptions(
+        (host, int(port)),
+        _decode_config(args),
+        port=args.port,
+        host=args.host,
+        engine=args.engine,
+        model=model,
+        storage_dir=args.storage_dir,
+        tick_interval=args.tick_interval,
+    )
+    return nodes.main_decode(opts)
+
+
+def run_runtime(args: argparse.Namespace) -> int:
+    from hicache.runtime.runner import run_scenario
+
+    scenario = load_scenario(args.scenario, args.overrides)
+    out = args.out or Path("out") / f"{scenario.name}-runtime"
+    return run_scenario(
+        scenario,
+        out,
+        engine=args.engine,
+        storage_dir=args.storage_dir,
+        limit=args.limit,
+        sequential=args.sequential,
+        time_scale=args.time_scale,
+        verify=not args.no_verify,
+        progress=not args.quiet,
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -113,6 +231,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_sim(args.scenario, args.overrides, args.out, progress=not args.quiet)
         if args.command == "trace":
             return run_trace_stats(args)
+        if args.command == "node":
+            return run_node(args)
+        if args.command == "run":
+            return run_runtime(args)
     except (ScenarioError, TraceError, PolicyError, ValueError) as exc:
         print(f"hicache {args.command}: {exc}", file=sys.stderr)
         return 2

@@ -12,13 +12,13 @@ import attrs
 from hicache.core import commands as cmd
 from hicache.core.config import DecodeConfig
 from hicache.core.decode_node import DecodeNodeCore
+from hicache.results import RequestRecord, summarize
 from hicache.scenarios.workload import WorkItem
 from hicache.sim.channel import Channel
 from hicache.sim.costs import NodeCosts
 from hicache.sim.decode import DecodeDriver, LiveRequest
 from hicache.sim.engine import EventLoop
 from hicache.sim.prefill import PrefillJob, PrefillNode
-from hicache.sim.results import RequestRecord, summarize
 from hicache.sim.router import Router
 from hicache.sim.store import SharedStore
 
@@ -99,13 +99,23 @@ class Cluster:
         self._items: dict[str, WorkItem] = {}
         self._nodes: dict[str, tuple[int, int]] = {}
         self._progress: Callable[[int], None] | None = None
+        self._sequential = False
 
-    def run(self, items: Sequence[WorkItem], progress: Callable[[int], None] | None = None) -> RunResult:
-        """Replay `items` (sorted by arrival) to the end; `progress(n)` hears of n more answers."""
+    def run(
+        self,
+        items: Sequence[WorkItem],
+        progress: Callable[[int], None] | None = None,
+        *,
+        sequential: bool = False,
+    ) -> RunResult:
+        """Replay `items` (sorted by arrival) to the end; `progress(n)` hears of n more answers.
+        `sequential`: each request arrives only once the one before has ended and every node is
+        at rest (its backups and stores done): the decisions of one request at a time."""
         self._progress = progress
         page = self.setup.decode.page_size
         model = self.setup.model_name
         arrivals = iter(items)
+        self._sequential = sequential
         first = next(arrivals, None)
         if first is not None:
             self.loop.at(first.arrival, self._arrive, first, arrivals, page, model)
@@ -139,9 +149,12 @@ class Cluster:
 
     def _arrive(self, item: WorkItem, arrivals: Iterator[WorkItem], page: int, model: str) -> None:
         # Arrivals are scheduled one ahead, which keeps the event heap small.
-        after = next(arrivals, None)
-        if after is not None:
-            self.loop.at(max(after.arrival, self.loop.now), self._arrive, after, arrivals, page, model)
+        if self._sequential:
+            self.loop.after(self.setup.tick_interval, self._when_rested, arrivals, page, model)
+        else:
+            after = next(arrivals, None)
+            if after is not None:
+                self.loop.at(max(after.arrival, self.loop.now), self._arrive, after, arrivals, page, model)
         seq = item.sequence_keys(page, model).tolist()
         prompt = seq[: item.prompt_len // page]
         p = self.prefill_router.choose(
@@ -154,8 +167,16 @@ class Cluster:
         self._nodes[item.id] = (p, d)
         node = self.prefill[p]
         node.submit(PrefillJob(item.id, item.prompt_len, prompt, self.loop.now))
-        live = LiveRequest(item.id, item.prompt_len, max(1, item.output_len), seq, item.arrival, node)
+        live = LiveRequest(item.id, item.prompt_len, max(1, item.output_len), seq, self.loop.now, node)
         self.decode[d].arrive(live)
+
+    def _when_rested(self, arrivals: Iterator[WorkItem], page: int, model: str) -> None:
+        if any(d.live or not d.core.idle for d in self.decode) or any(p.load for p in self.prefill):
+            self.loop.after(self.setup.tick_interval, self._when_rested, arrivals, page, model)
+            return
+        after = next(arrivals, None)
+        if after is not None:
+            self._arrive(after, arrivals, page, model)
 
     def _respond(self, live: LiveRequest, c: cmd.Respond) -> None:
         item = self._items.pop(live.rid)
@@ -175,7 +196,7 @@ class Cluster:
                 id=live.rid,
                 session=item.session,
                 turn=item.turn,
-                arrival=item.arrival,
+                arrival=live.arrival,
                 prefill_node=p,
                 decode_node=d,
                 prompt_tokens=item.prompt_len,

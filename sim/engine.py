@@ -49,7 +49,11 @@ class EventLoop:
         """Run `fn(*args)` `delay` seconds from now."""
         if delay < 0:
             raise ValueError(f"cannot schedule {delay} s in the past")
-        return self.at(self.now + delay, fn, *args)
+        # The hottest call of a simulation: push here rather than through `at` (one call less).
+        when = self.now + delay
+        handle = EventHandle(when, fn, args)
+        heapq.heappush(self._heap, (when, next(self._seq), handle))
+        return handle
 
     @property
     def pending(self) -> int:

@@ -12,7 +12,7 @@ matplotlib.use("Agg")  # files only; never a window
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from hicache.sim.results import RequestRecord  # noqa: E402
+from hicache.results import RequestRecord  # noqa: E402
 
 
 def ttft_cdf(path: Path, runs: Mapping[str, Sequence[RequestRecord]], title: str) -> None:

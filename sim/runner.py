@@ -10,12 +10,12 @@ from typing import Any
 
 from tqdm import tqdm
 
+from hicache.results import format_table, write_requests_csv, write_summary_json
 from hicache.scenarios.build import build_workload
 from hicache.scenarios.scenario import Scenario
 from hicache.scenarios.workload import WorkItem
 from hicache.sim import plots
 from hicache.sim.cluster import Cluster, RunResult
-from hicache.sim.results import write_requests_csv, write_summary_json
 from hicache.sim.setup import setups
 
 
@@ -59,30 +59,7 @@ def write_outputs(out: Path, scenario: Scenario, results: dict[str, RunResult]) 
 
 def table(results: dict[str, RunResult]) -> str:
     """The summary table printed after a run."""
-    head = (
-        f"{'run':<16}{'done':>6}{'fail':>5}{'TTFT mean':>11}{'p90':>9}{'p99':>9}{'TPOT ms':>9}"
-        f"{'hit':>7}{'L1':>7}{'L2':>7}{'L3':>7}{'P->D GB':>9}{'fallback':>10}{'events':>9}{'wall s':>8}"
-    )
-    lines = [head]
-    for label, r in results.items():
-        s = r.summary
-        prompt = max(s["prompt_tokens"], 1)
-        ttft, tpot = s["ttft_s"], s["tpot_s"]
-
-        def f(x: float | None, scale: float = 1.0, fmt: str = ".3f") -> str:
-            return "-" if x is None else format(x * scale, fmt)
-
-        lines.append(
-            f"{label:<16}{s['completed']:>6}{s['failed']:>5}{f(ttft['mean']):>11}{f(ttft['p90']):>9}"
-            f"{f(ttft['p99']):>9}{f(tpot['mean'], 1e3, '.1f'):>9}{s['hit_rate']:>7.1%}"
-            f"{s['cached_tokens']['l1'] / prompt:>7.1%}{s['cached_tokens']['l2'] / prompt:>7.1%}"
-            f"{s['cached_tokens']['l3'] / prompt:>7.1%}{s['pd_transfer_bytes'] / 1e9:>9.1f}"
-            f"{s['fallback_tokens']:>10}{s['events']:>9}{s['wall_s']:>8.2f}"
-        )
-    lines.append(
-        "(TTFT in seconds; hit and L1/L2/L3 are shares of prompt tokens restored on the decode node)"
-    )
-    return "\n".join(lines)
+    return format_table({k: r.summary for k, r in results.items()})
 
 
 def summary_doc(results: dict[str, RunResult]) -> str:

@@ -11,12 +11,12 @@ import pytest
 
 from hicache.cli import main
 from hicache.core.tree import TREE
+from hicache.results import FIELDS, write_requests_csv
 from hicache.scenarios.build import build_workload
 from hicache.scenarios.scenario import Scenario, parse_scenario
 from hicache.scenarios.trace_stats import trace_stats
 from hicache.scenarios.traces import read_trace
 from hicache.sim.cluster import Cluster
-from hicache.sim.results import FIELDS, write_requests_csv
 from hicache.sim.runner import run_baselines
 from hicache.sim.setup import setups
 

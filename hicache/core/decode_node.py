@@ -178,6 +178,26 @@ class DecodeNodeCore:
             and not self.tree.ops_in_flight
         )
 
+    def evict(self, l1_pages: int, l2_pages: int = 0, *, at: float | None = None) -> list[cmd.Command]:
+        """An operator frees cache memory: up to `l1_pages` from L1 (demoted to L2 where the
+        write policy backs them up) and `l2_pages` from L2, by the eviction policy; locked and
+        pinned pages stay. Returns the commands to execute, like `handle`."""
+        if at is not None:
+            self.now = max(self.now, at)
+        self.tree.evict_device(l1_pages)
+        self.tree.evict_host(l2_pages)
+        self._collect_tree()
+        out, self._outbox = self._outbox, []
+        return out
+
+    def device_slots(self, rid: str) -> tuple[int, ...]:
+        """The L1 pages holding a running request's KV, one per page of its sequence so far
+        (a decoder writes each new token's KV into them; they grow on `Decoded`)."""
+        r = self.requests.get(rid)
+        if r is None:
+            raise CoreError(f"device_slots: unknown request {rid!r}")
+        return tuple(r.slots)
+
     def forget(self, rid: str) -> Request:
         """Drop a request that has ended and that no I/O refers to any more (a driver that
         replays a long trace calls this once it has read the request's account)."""

@@ -1,4 +1,5 @@
-"""What a run reports: one record per request, and the summary of a run.
+"""What a run reports, in the simulator and the runtime alike: one record per request, and the
+summary of a run.
 
 The summary's keys are the contract with users' scripts (and with the runtime, which writes
 the same schema with measured instead of modelled times): `requests`, `completed`, `failed`,
@@ -110,3 +111,30 @@ def write_summary_json(path: Path, doc: dict[str, Any]) -> None:
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(doc, indent=2, sort_keys=False) + "\n", encoding="utf-8")
     tmp.replace(path)
+
+
+def format_table(summaries: dict[str, dict[str, Any]]) -> str:
+    """The summary table printed after a run."""
+    head = (
+        f"{'run':<16}{'done':>6}{'fail':>5}{'TTFT mean':>11}{'p90':>9}{'p99':>9}{'TPOT ms':>9}"
+        f"{'hit':>7}{'L1':>7}{'L2':>7}{'L3':>7}{'P->D GB':>9}{'fallback':>10}{'events':>9}{'wall s':>8}"
+    )
+    lines = [head]
+    for label, s in summaries.items():
+        prompt = max(s["prompt_tokens"], 1)
+        ttft, tpot = s["ttft_s"], s["tpot_s"]
+
+        def f(x: float | None, scale: float = 1.0, fmt: str = ".3f") -> str:
+            return "-" if x is None else format(x * scale, fmt)
+
+        lines.append(
+            f"{label:<16}{s['completed']:>6}{s['failed']:>5}{f(ttft['mean']):>11}{f(ttft['p90']):>9}"
+            f"{f(ttft['p99']):>9}{f(tpot['mean'], 1e3, '.1f'):>9}{s['hit_rate']:>7.1%}"
+            f"{s['cached_tokens']['l1'] / prompt:>7.1%}{s['cached_tokens']['l2'] / prompt:>7.1%}"
+            f"{s['cached_tokens']['l3'] / prompt:>7.1%}{s['pd_transfer_bytes'] / 1e9:>9.1f}"
+            f"{s['fallback_tokens']:>10}{s['events']:>9}{s['wall_s']:>8.2f}"
+        )
+    lines.append(
+        "(TTFT in seconds; hit and L1/L2/L3 are shares of prompt tokens restored on the decode node)"
+    )
+    return "\n".join(lines)

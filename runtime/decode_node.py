@@ -1,0 +1,460 @@
+"""The decode node: a trio service that runs the core and executes its commands for real.
+
+It makes no cache decision of its own. Clients send `generate` requests; the service feeds the
+core (arrival, ticks, completions), and runs every command concurrently in its nursery:
+storage queries, prefetches and stores on the L3 backend, load-backs and backups on the copy
+engine, KV increments from the prefill node (a control message, then a WRITE into L1 that ends
+with a notification), timers. Requests the core hands to the decode batch are decoded with the
+same model, writing each new token's KV into its L1 page; finished sequences go back to the
+core, which inserts them into the tree and backs them up L1 -> L2 -> L3.
+
+For verification the reply carries, per page of the KV the request had before its first decode
+step, the digest of its bytes and where it came from (restored from the cache, or sent by
+prefill with prefill's own digest), the digests of its final pages, and optionally the
+assembled KV itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import numpy as np
+import torch
+import trio
+
+from hicache.core import commands as cmd
+from hicache.core import events as ev
+from hicache.core.config import DecodeConfig
+from hicache.core.decode_node import DecodeNodeCore
+from hicache.core.errors import CoreError
+from hicache.core.pages import namespace_seed, page_keys
+from hicache.runtime import protocol
+from hicache.runtime.copy_engine import CopyEngine
+from hicache.runtime.kv_digest import page_digest
+from hicache.runtime.kv_layout import KVLayout
+from hicache.runtime.kv_pool import KVPool
+from hicache.runtime.model import TinyModel, from_pages, to_pages
+from hicache.runtime.storage.base import StorageBackend
+from hicache.runtime.transfer.base import TransferEngine
+
+
+@attrs.define(eq=False)
+class _Live:
+    """A request between its arrival and its answer."""
+
+    rid: str
+    prompt: list[int]
+    max_new: int
+    seed: int
+    verify: bool
+    arrival: float
+    answer: trio.Event = attrs.Factory(trio.Event)
+    gen: list[int] = attrs.Factory(list)
+    kv_len: int = 0  # tokens whose KV is in the request's L1 pages
+    past: torch.Tensor | None = None  # the same KV, contiguous, for the model
+    running: bool = False
+    first_token_at: float = -1.0
+    promised: int = -1
+    received: dict[int, str] = attrs.Factory(dict)  # page index -> prefill's digest (this admission)
+    start_pages: list[dict[str, Any]] = attrs.Factory(list)
+    start_kv: bytes = b""
+    final_pages: list[str] = attrs.Factory(list)
+    outcome: str = ""
+    reason: str = ""
+    account: dict[str, int] = attrs.Factory(dict)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.gen
+
+
+class DecodeService:
+    def __init__(
+        self,
+        config: DecodeConfig,
+        model: TinyModel,
+        layout: KVLayout,
+        store: StorageBackend,
+        engine: TransferEngine,
+        *,
+        model_name: str = "tiny",
+        tick_interval: float = 0.002,
+        transfer_timeout: float = 30.0,
+        device: str = "cpu",
+    ) -> None:
+        if layout.page_size != config.page_size:
+            raise ValueError(f"layout page size {layout.page_size} != core page size {config.page_size}")
+        self.cfg = config
+        self.core = DecodeNodeCore(config)
+        self.model = model
+        self.layout = layout
+        self.store = store
+        self.engine = engine
+        self.model_name = model_name
+        self.tick_interval = tick_interval
+        self.transfer_timeout = transfer_timeout
+        self.l1 = KVPool(layout, config.l1_pages, device=device, name="L1")
+        self.l2 = KVPool(layout, max(config.l2_pages, 1), name="L2")
+        self.region = engine.register("L1", self.l1.bytes_view())
+        self.copies = CopyEngine(threads=1)
+        self.live: dict[str, _Live] = {}
+        self._nursery: trio.Nursery | None = None
+        self._prefill: trio.SocketStream | None = None
+        self._prefill_lock = trio.Lock()
+        self._kv_replies: dict[int, trio.MemorySendChannel] = {}
+        self._notifs: dict[int, trio.Event] = {}
+        self._wake = trio.Event()
+        self._decode_wake = trio.Event()
+        self._tick_pending = False
+        self._compute = trio.CapacityLimiter(1)
+        self.core_events = 0
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def run(
+        self,
+        client_port: int,
+        prefill: tuple[str, int],
+        *,
+        host: str = "127.0.0.1",
+        task_status=trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Connect to the prefill node, then serve clients on `client_port` until cancelled."""
+        stream = await trio.open_tcp_stream(*prefill)
+        self._prefill = stream
+        reader = protocol.FrameReader(stream, max_binary=0)
+        await protocol.send(stream, {"op": "hello", "info": self.engine.local_info().hex()})
+        hello, _ = await reader.receive()
+        await self.engine.add_peer(bytes.fromhex(protocol.field(hello, "info", str)))
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                nursery.start_soon(self._prefill_replies, reader)
+                nursery.start_soon(self._notif_loop)
+                nursery.start_soon(self._tick_loop)
+                nursery.start_soon(self._decode_loop)
+                serve = functools.partial(trio.serve_tcp, self._client, client_port, host=host)
+                listeners = await nursery.start(serve)
+                task_status.started(listeners[0].socket.getsockname()[1])
+        finally:
+            with trio.CancelScope(shield=True):
+                await stream.aclose()
+                await self.store.aclose()
+
+    # ------------------------------------------------------------------ clients
+
+    async def _client(self, stream: trio.SocketStream) -> None:
+        reader = protocol.FrameReader(stream, max_binary=0)
+        try:
+            while True:
+                try:
+                    msg, _ = await reader.receive()
+                except EOFError:
+                    return
+                op = msg["op"]
+                if op == "generate":
+                    reply, binary = await self._generate(msg)
+                elif op == "evict":
+                    self._run_all(
+                        self.core.evict(int(msg.get("l1", 1 << 40)), int(msg.get("l2", 0)), at=self._now())
+                    )
+                    reply, binary = {"op": "evict", "ok": True}, b""
+                elif op == "idle":
+                    while not (self.core.idle and not self.live):
+                        await trio.sleep(self.tick_interval)
+                    reply, binary = {"op": "idle", "ok": True}, b""
+                elif op == "stats":
+                    reply, binary = {"op": "stats", **attrs.asdict(self.core.stats)}, b""
+                else:
+                    reply, binary = {"op": "error", "reason": f"unknown op {op!r}"}, b""
+                await protocol.send(stream, reply, binary)
+        except (protocol.ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            with (
+                trio.CancelScope(shield=True),
+                contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError),
+            ):
+                await protocol.send(stream, {"op": "error", "reason": str(exc)})
+        finally:
+            await stream.aclose()
+
+    async def _generate(self, msg: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
+        rid = protocol.field(msg, "rid", str)
+        if rid in self.live or rid in self.core.requests:
+            return {"op": "result", "rid": rid, "outcome": "failed", "reason": "duplicate request id"}, b""
+        prompt = protocol.int_list(msg, "tokens", high=self.model.config.vocab)
+        max_new = protocol.field(msg, "max_new", int)
+        if not prompt or max_new < 1:
+            raise protocol.ProtocolError("generate: needs at least one prompt token and max_new >= 1")
+        tenant = msg.get("tenant")
+        seed = namespace_seed(self.model_name, tenant if isinstance(tenant, str) else None)
+        live = _Live(rid, prompt, max_new, seed, bool(msg.get("verify", False)), self._now())
+        self.live[rid] = live
+        keys = page_keys(np.asarray(prompt, dtype=np.int64), self.cfg.page_size, seed).tolist()
+        self._feed(ev.RequestArrived(live.arrival, rid, len(prompt), keys))
+        await live.answer.wait()
+        del self.live[rid]
+        with contextlib.suppress(CoreError):  # still referenced by I/O in flight: kept, holding nothing
+            self.core.forget(rid)
+        reply = {
+            "op": "result",
+            "rid": rid,
+            "outcome": live.outcome,
+            "reason": live.reason,
+            "tokens": live.gen,
+            "ttft_s": live.first_token_at - live.arrival if live.first_token_at >= 0 else None,
+            "e2e_s": self._now() - live.arrival,
+            "promised_tokens": max(live.promised, 0),
+            "account": live.account,
+            "start_pages": live.start_pages,
+            "final_pages": live.final_pages,
+        }
+        return reply, live.start_kv
+
+    # ------------------------------------------------------------------ feeding the core
+
+    def _now(self) -> float:
+        return trio.current_time()
+
+    def _feed(self, event: ev.Event) -> None:
+        self.core_events += 1
+        self._run_all(self.core.handle(event))
+        if not isinstance(event, ev.Tick):
+            self._tick_pending = True
+            self._wake.set()
+
+    def _run_all(self, commands: list[cmd.Command]) -> None:
+        for c in commands:
+            self._run(c)
+
+    async def _tick_loop(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake = trio.Event()
+            await trio.sleep(self.tick_interval)
+            self._tick_pending = False
+            self._feed(ev.Tick(self._now()))
+
+    def _spawn(self, fn: Callable[..., Any], *args: Any) -> None:
+        assert self._nursery is not None
+        self._nursery.start_soon(fn, *args)
+
+    def _run(self, c: cmd.Command) -> None:
+        if isinstance(c, cmd.QueryStorage):
+            self._spawn(self._query, c)
+        elif isinstance(c, cmd.Prefetch):
+            self._spawn(self._prefetch, c)
+        elif isinstance(c, cmd.CancelPrefetch):
+            pass  # the prefetch runs to its end and reports what arrived; the core expects that
+        elif isinstance(c, cmd.LoadBack):
+            self._spawn(self._copy, self.l2, c.host_slots, self.l1, c.device_slots, ev.LoadDone, c.op)
+        elif isinstance(c, cmd.Backup):
+            self._spawn(self._copy, self.l1, c.device_slots, self.l2, c.host_slots, ev.BackupDone, c.op)
+        elif isinstance(c, cmd.Store):
+            self._spawn(self._store, c)
+        elif isinstance(c, cmd.RequestKV):
+            self._spawn(self._request_kv, c)
+        elif isinstance(c, cmd.SetTimer):
+            self._spawn(self._timer, c)
+        elif isinstance(c, cmd.StartDecode):
+            self._start(c)
+        elif isinstance(c, cmd.Retract):
+            live = self.live[c.req]
+            live.running = False
+            live.past = None
+        elif isinstance(c, cmd.Respond):
+            self._respond(c)
+        else:
+            raise NotImplementedError(f"a single-rank decode node does not execute {type(c).__name__}")
+
+    # ------------------------------------------------------------------ command executors
+
+    async def _query(self, c: cmd.QueryStorage) -> None:
+        hits = []
+        for rid, keys in c.queries:
+            hits.append((rid, await self.store.exists(list(keys)) if keys else 0))
+        self._feed(ev.StorageQueried(self._now(), c.op, tuple(hits)))
+
+    async def _prefetch(self, c: cmd.Prefetch) -> None:
+        pages = await self.store.get(list(c.keys), self.l2, list(c.host_slots))
+        self._feed(ev.PrefetchDone(self._now(), c.op, pages))
+
+    async def _copy(
+        self, src: KVPool, s: tuple[int, ...], dst: KVPool, d: tuple[int, ...], kind: type, op: int
+    ) -> None:
+        await self.copies.copy(src, list(s), dst, list(d))
+        self._feed(kind(self._now(), op))
+
+    async def _store(self, c: cmd.Store) -> None:
+        await self.store.put(list(c.keys), self.l2, list(c.host_slots))
+        self._feed(ev.StoreDone(self._now(), c.op))
+
+    async def _timer(self, c: cmd.SetTimer) -> None:
+        await trio.sleep_until(c.at)
+        self._feed(ev.TimerFired(self._now(), c.timer))
+
+    async def _request_kv(self, c: cmd.RequestKV) -> None:
+        live = self.live[c.req]
+        if live.promised < 0:
+            live.promised = c.start
+        prompt_len = self.core.requests[c.req].prompt_len  # the prompt of this admission
+        send, receive = trio.open_memory_channel[dict](1)
+        self._kv_replies[c.transfer] = send
+        arrived = self._notifs.setdefault(c.transfer, trio.Event())
+        msg = {
+            "op": "kv",
+            "tid": c.transfer,
+            "tokens": live.tokens[:prompt_len],
+            "start": c.start,
+            "end": c.end,
+            "dst": list(c.dst_slots),
+        }
+        reason = ""
+        reply: dict = {}
+        with trio.move_on_after(self.transfer_timeout) as scope:
+            try:
+                async with self._prefill_lock:
+                    await protocol.send(self._prefill, msg)  # type: ignore[arg-type]
+                reply = await receive.receive()
+                if reply.get("ok"):
+                    await arrived.wait()
+            except (trio.BrokenResourceError, trio.ClosedResourceError, trio.EndOfChannel) as exc:
+                reason = f"prefill connection lost: {exc}"
+        self._kv_replies.pop(c.transfer, None)
+        self._notifs.pop(c.transfer, None)
+        if scope.cancelled_caught:
+            reason = f"no KV from prefill within {self.transfer_timeout} s"
+        elif not reason and not reply.get("ok"):
+            reason = str(reply.get("reason", "prefill failed"))
+        if reason:
+            self._feed(ev.KVFailed(self._now(), c.req, c.transfer, reason))
+            return
+        page = self.cfg.page_size
+        for j, digest in enumerate(reply["digests"]):
+            live.received[c.start // page + j] = digest
+        if not live.gen:
+            live.gen.append(int(reply["first_token"]))
+        self._feed(ev.KVArrived(self._now(), c.req, c.transfer))
+
+    async def _prefill_replies(self, reader: protocol.FrameReader) -> None:
+        while True:
+            try:
+                msg, _ = await reader.receive()
+            except (EOFError, protocol.ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError):
+                for send in list(self._kv_replies.values()):
+                    send.close()
+                return
+            send = self._kv_replies.get(msg.get("tid", -1))
+            if send is not None:
+                send.send_nowait(msg)
+
+    async def _notif_loop(self) -> None:
+        while True:
+            try:
+                _, msg = await self.engine.next_notif()
+            except trio.EndOfChannel:
+                return
+            if msg.startswith(b"kv:"):
+                tid = int(msg[3:])
+                self._notifs.setdefault(tid, trio.Event()).set()
+
+    # ------------------------------------------------------------------ decoding
+
+    def _start(self, c: cmd.StartDecode) -> None:
+        live = self.live[c.req]
+        r = self.core.requests[c.req]
+        live.kv_len = r.prompt_len
+        slots = torch.tensor(c.device_slots, dtype=torch.int64)
+        pages = self.l1.data[slots]
+        live.past = from_pages(pages.cpu(), live.kv_len)
+        if live.first_token_at < 0:
+            live.first_token_at = self._now()
+            page = self.cfg.page_size
+            keys = r.keys
+            live.start_pages = [
+                {
+                    "key": keys[i] if i < len(keys) else None,
+                    "digest": page_digest(pages[i]),
+                    "source": "prefill" if i in live.received else "cache",
+                    "sent": live.received.get(i),
+                }
+                for i in range(math.ceil(live.kv_len / page))
+            ]
+            if live.verify:
+                live.start_kv = live.past.contiguous().numpy().tobytes()
+        live.received = {}
+        live.running = True
+        self._decode_wake.set()
+
+    async def _decode_loop(self) -> None:
+        """One decode step for every running request per iteration, computed off the loop."""
+        while True:
+            batch = [x for x in self.live.values() if x.running]
+            if not batch:
+                await self._decode_wake.wait()
+                self._decode_wake = trio.Event()
+                continue
+            done = [x for x in batch if len(x.gen) >= x.max_new]
+            for live in done:
+                live.running = False
+                self._feed(ev.Finished(self._now(), live.rid))
+            batch = [x for x in batch if x.running]
+            if not batch:
+                continue
+            steps = await trio.to_thread.run_sync(self._steps, batch, limiter=self._compute)
+            for live, (kv, token) in zip(batch, steps, strict=True):
+                if live.running:
+                    self._advance(live, kv, token)
+
+    def _steps(self, batch: list[_Live]) -> list[tuple[torch.Tensor, int]]:
+        out = []
+        for live in batch:
+            token = live.tokens[live.kv_len]
+            out.append(self.model.decode_step(token, live.past))
+        return out
+
+    def _advance(self, live: _Live, kv: torch.Tensor, token: int) -> None:
+        """The step's token KV exists: tell the core (it grants the page), then write it there."""
+        page = self.cfg.page_size
+        pos = live.kv_len
+        seq = live.tokens
+        new_keys: list[int] = []
+        if (pos + 1) % page == 0:
+            keys = page_keys(np.asarray(seq[: pos + 1], dtype=np.int64), page, live.seed)
+            new_keys = [int(keys[-1])]
+        self._feed(ev.Decoded(self._now(), live.rid, 1, new_keys))
+        if not live.running:
+            # Retracted by its own growth: this step's KV got no page, but its token stands; on
+            # resume the token at `pos` is part of the prompt whose KV prefill or the cache gives.
+            live.gen.append(token)
+            return
+        slot = self.core.device_slots(live.rid)[pos // page]
+        self.l1.data[slot, :, :, pos % page] = kv[:, :, 0].to(self.l1.data.dtype)
+        live.past = torch.cat([live.past, kv], dim=2)  # type: ignore[list-item]
+        live.kv_len = pos + 1
+        live.gen.append(token)
+
+    def _respond(self, c: cmd.Respond) -> None:
+        live = self.live[c.req]
+        r = self.core.requests[c.req]
+        a = r.account
+        live.account = {
+            "l1": a.l1,
+            "l2": a.l2,
+            "l3": a.l3,
+            "transferred": a.transferred,
+            "fallback": a.fallback,
+            "retractions": a.retractions,
+        }
+        live.outcome, live.reason = c.outcome, c.reason
+        if c.outcome == "finished" and live.past is not None:
+            live.final_pages = [
+                page_digest(p)
+                for p in to_pages(live.past, self.cfg.page_size)[: live.kv_len // self.cfg.page_size]
+            ]
+        live.running = False
+        live.answer.set()

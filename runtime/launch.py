@@ -1,0 +1,70 @@
+"""Start a prefill and a decode node as separate local processes, and stop them cleanly."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import trio
+
+
+class NodeFailed(RuntimeError):
+    """A node process exited before it was ready; the message carries its stderr."""
+
+
+@attrs.define(eq=False)
+class NodeProcess:
+    """A node started with `python -m hicache node ...`; `info` is its readiness line."""
+
+    proc: subprocess.Popen
+    info: dict[str, Any]
+    stderr_path: Path
+
+    @property
+    def port(self) -> int:
+        return int(self.info["port"])
+
+    def stop(self, timeout: float = 20.0) -> int:
+        """SIGTERM, then wait (SIGKILL past `timeout`); returns the exit status."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+async def start_node(args: Sequence[str], log_dir: Path, name: str, timeout: float = 120.0) -> NodeProcess:
+    """Run `hicache node ARGS...` and wait for its readiness line on stdout."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    stderr_path = log_dir / f"{name}.stderr"
+    cmd = [sys.executable, "-m", "hicache", "node", *args]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with stderr_path.open("wb") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, env=env)
+
+    def first_line() -> bytes:
+        assert proc.stdout is not None
+        return proc.stdout.readline()
+
+    with trio.move_on_after(timeout):
+        line = await trio.to_thread.run_sync(first_line, abandon_on_cancel=True)
+        if line:
+            return NodeProcess(proc, json.loads(line), stderr_path)
+    proc.kill()
+    proc.wait()
+    raise NodeFailed(f"{name} node did not start: {stderr_path.read_text(errors='replace')[-2000:]}")

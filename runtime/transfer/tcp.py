@@ -1,0 +1,639 @@
+"""A transfer engine over plain TCP, in pure trio: the engine for hosts without NIXL/UCX.
+
+Each engine listens on `(host, port)`; `local_info()` carries the address, the engine name and
+the registered regions. Pages move straight between the socket and the registered tensor's
+memory (`sendmsg`/`recvmsg_into` over memoryviews of the pages): no staging copy, and each
+syscall moves at most what the socket buffer holds, so the event loop never stalls long.
+
+Wire format. Every message starts with a fixed 32-byte little-endian header
+
+    magic "HCKV" | version u8 | type u8 | name_len u16 | xid u64 | count u32 | page_bytes u64 |
+    notif_len u32
+
+followed by `name` (name_len bytes), then, for WRITE and READ, `count` page indices (u32 each),
+then `notif` (notif_len bytes), then, for WRITE and READ_DATA, `count * page_bytes` page bytes.
+
+- A connection opens with HELLO (name = the initiator's engine name), answered by HELLO_ACK
+  (name = the target's engine name).
+- WRITE (name = target region, indices = target pages) carries the pages; the target writes them
+  into its region, queues the notification, then answers ACK.
+- READ (name = source region, indices = source pages) is answered by READ_DATA with the pages in
+  the requested order; once it has them all, the initiator sends READ_DONE and the target queues
+  the notification.
+- Anything the target rejects (bad magic or version, unknown type or region, page_bytes that
+  differ from the region's, more pages than the region has, an index out of range, a repeated
+  destination page, a name or notification over its limit) is answered by ERROR (the message in
+  the notif field) and the connection is closed. Every length is checked against its limit before
+  anything is allocated or read, so a frame can never make the target allocate more than the
+  region it addresses (indices) or `MAX_NOTIF_BYTES`.
+
+A connection carries one transfer at a time. Each peer gets up to `streams_per_peer` connections,
+opened on demand and kept for reuse; concurrent transfers to one peer use different connections.
+An idle connection the peer has closed meanwhile is noticed and replaced before it is used.
+
+Failures. A connection that breaks (the peer died, reset, closed early) turns the transfer into
+`ERR` on the initiator. The target discards a partial WRITE: it queues no notification, but the
+destination pages may already hold part of the new data, so a receiver must only use pages a
+notification (or an initiator's `DONE`) vouches for. A peer that stays connected but silent keeps
+the transfer in `PROC`; `wait(timeout=...)` bounds that, and `release` cancels it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import select
+import struct
+import uuid
+from collections.abc import Sequence
+from functools import partial
+from typing import TYPE_CHECKING, Self
+
+import attrs
+import numpy as np
+import trio
+
+from hicache.runtime.transfer.base import (
+    MAX_NAME_BYTES,
+    MAX_NOTIF_BYTES,
+    DescList,
+    MemoryRegion,
+    NotifQueue,
+    Op,
+    PeerInfo,
+    XferBook,
+    XferHandle,
+    XferRecord,
+    XferState,
+    check_request,
+    host_pages,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+MAGIC = b"HCKV"
+VERSION = 1
+HEADER = struct.Struct("<4sBBHQIQI")
+INDEX_DTYPE = np.dtype("<u4")
+# Buffers per sendmsg/recvmsg_into call (Linux IOV_MAX is 1024).
+IOV_BATCH = 256
+# How long the target tries to deliver an ERROR before it closes the connection anyway.
+ERROR_SEND_S = 1.0
+
+
+class Msg(enum.IntEnum):
+    HELLO = 1
+    HELLO_ACK = 2
+    WRITE = 3
+    READ = 4
+    ACK = 5
+    READ_DATA = 6
+    READ_DONE = 7
+    ERROR = 8
+
+
+PAGE_MSGS = frozenset({Msg.WRITE, Msg.READ, Msg.READ_DATA})
+
+
+class ProtocolError(Exception):
+    """The other side sent something this protocol does not allow."""
+
+
+class PeerClosed(Exception):
+    """The connection ended; `clean` when it ended between two messages."""
+
+    def __init__(self, clean: bool) -> None:
+        super().__init__("connection closed" + ("" if clean else " in the middle of a message"))
+        self.clean = clean
+
+
+_NET_ERRORS = (OSError, PeerClosed, trio.BrokenResourceError, trio.ClosedResourceError)
+
+
+@attrs.frozen
+class Frame:
+    type: Msg
+    xid: int
+    name: bytes
+    count: int
+    page_bytes: int
+    notif_len: int
+
+
+def encode_header(
+    mtype: int,
+    xid: int,
+    name: bytes = b"",
+    count: int = 0,
+    page_bytes: int = 0,
+    notif_len: int = 0,
+    *,
+    magic: bytes = MAGIC,
+    version: int = VERSION,
+) -> bytes:
+    """A header followed by `name`: the start of every message."""
+    return HEADER.pack(magic, version, mtype, len(name), xid, count, page_bytes, notif_len) + name
+
+
+class Conn:
+    """One TCP connection: exact-length reads and vectored I/O straight to and from page memory."""
+
+    def __init__(self, stream: trio.SocketStream) -> None:
+        self.stream = stream
+        self.sock = stream.socket
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def is_stale(self) -> bool:
+        """An idle connection has nothing to read: readable means EOF, a reset, or garbage."""
+        poller = select.poll()
+        poller.register(self.sock.fileno(), select.POLLIN | select.POLLPRI)
+        return bool(poller.poll(0))
+
+    async def recv_exactly(self, n: int, *, boundary: bool = False) -> bytearray:
+        buf = bytearray(n)
+        await self.recv_into([memoryview(buf)], boundary=boundary)
+        return buf
+
+    async def recv_into(self, bufs: list[memoryview], *, boundary: bool = False) -> None:
+        """Fill every buffer; EOF before the first byte is a clean close when `boundary`."""
+        bufs = [b for b in bufs if len(b)]
+        i, got = 0, 0
+        while i < len(bufs):
+            batch = bufs[i : i + IOV_BATCH]
+            if len(batch) == 1:
+                n = await self.sock.recv_into(batch[0])
+            else:
+                n = (await self.sock.recvmsg_into(batch))[0]
+            if n == 0:
+                raise PeerClosed(clean=boundary and got == 0)
+            got += n
+            while n:
+                if n >= len(bufs[i]):
+                    n -= len(bufs[i])
+                    i += 1
+                else:
+                    bufs[i] = bufs[i][n:]
+                    n = 0
+
+    async def send(self, bufs: list[bytes | memoryview]) -> None:
+        views = [memoryview(b).cast("B") for b in bufs if len(b)]
+        i = 0
+        while i < len(views):
+            n = await self.sock.sendmsg(views[i : i + IOV_BATCH])
+            while n:
+                if n >= len(views[i]):
+                    n -= len(views[i])
+                    i += 1
+                else:
+                    views[i] = views[i][n:]
+                    n = 0
+
+    async def recv_frame(self, *, boundary: bool = False) -> Frame:
+        """Read and check a header and its name; indices, notif and pages are left to the caller."""
+        raw = await self.recv_exactly(HEADER.size, boundary=boundary)
+        magic, version, mtype, name_len, xid, count, page_bytes, notif_len = HEADER.unpack(raw)
+        if magic != MAGIC:
+            raise ProtocolError(f"bad magic {bytes(magic)!r}, expected {MAGIC!r}")
+        if version != VERSION:
+            raise ProtocolError(f"protocol version {version}, expected {VERSION}")
+        try:
+            t = Msg(mtype)
+        except ValueError:
+            raise ProtocolError(f"unknown message type {mtype}") from None
+        if name_len > MAX_NAME_BYTES:
+            raise ProtocolError(f"{t.name}: name of {name_len} bytes, at most {MAX_NAME_BYTES}")
+        if notif_len > MAX_NOTIF_BYTES:
+            raise ProtocolError(f"{t.name}: notif of {notif_len} bytes, at most {MAX_NOTIF_BYTES}")
+        if t not in PAGE_MSGS and (count or page_bytes):
+            raise ProtocolError(f"{t.name}: carries no pages, got count={count} page_bytes={page_bytes}")
+        if t not in (Msg.WRITE, Msg.READ, Msg.ERROR) and notif_len:
+            raise ProtocolError(f"{t.name}: carries no notif, got notif_len={notif_len}")
+        name = bytes(await self.recv_exactly(name_len))
+        return Frame(t, xid, name, count, page_bytes, notif_len)
+
+    async def send_error(self, xid: int, message: str) -> None:
+        text = message.encode("utf-8")[:MAX_NOTIF_BYTES]
+        await self.send([encode_header(Msg.ERROR, xid, notif_len=len(text)), text])
+
+
+@attrs.define(eq=False)
+class _Region:
+    region: MemoryRegion
+    tensor: torch.Tensor | np.ndarray
+    pages: np.ndarray  # uint8 [num_pages, page_bytes] sharing the tensor's memory
+    descs: DescList
+
+    def views(self, idx: np.ndarray) -> list[memoryview]:
+        pages = self.pages
+        return [memoryview(pages[i]) for i in idx.tolist()]
+
+
+@attrs.define(eq=False)
+class _Peer:
+    info: PeerInfo
+    host: str
+    port: int
+    slots: trio.Semaphore
+    idle: list[Conn] = attrs.field(factory=list)
+
+
+class TcpEngine:
+    """The TCP transfer engine; use as `async with TcpEngine() as engine:`.
+
+    `port=0` picks a free port; `local_info()` reports the bound one. Regions must be host
+    (CPU) tensors. `aclose()` (or leaving the `async with`) ends every transfer in flight with
+    `ERR`, closes all connections and makes `next_notif()` raise `trio.EndOfChannel` once the
+    queued notifications are read.
+    """
+
+    kind = "tcp"
+
+    def __init__(
+        self, host: str = "127.0.0.1", port: int = 0, *, name: str | None = None, streams_per_peer: int = 4
+    ) -> None:
+        if streams_per_peer < 1:
+            raise ValueError(f"streams_per_peer: expected >= 1, got {streams_per_peer}")
+        self._name = name if name is not None else f"tcp-{uuid.uuid4().hex[:12]}"
+        if not self._name or len(self._name.encode("utf-8")) > MAX_NAME_BYTES:
+            raise ValueError(f"name: expected 1..{MAX_NAME_BYTES} UTF-8 bytes, got {self._name!r}")
+        self._host = host
+        self._port_wanted = port
+        self._port: int | None = None
+        self._streams_per_peer = streams_per_peer
+        self._regions: dict[str, _Region] = {}
+        self._peers: dict[str, _Peer] = {}
+        self._book = XferBook(self._name)
+        self._scopes: dict[int, trio.CancelScope] = {}
+        self._notifs = NotifQueue()
+        self._stack: contextlib.AsyncExitStack | None = None
+        self._nursery: trio.Nursery | None = None
+        self._closed = False
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def port(self) -> int:
+        if self._port is None:
+            raise RuntimeError(f"{self._name}: not started (use `async with engine:`)")
+        return self._port
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    async def __aenter__(self) -> Self:
+        if self._stack is not None or self._closed:
+            raise RuntimeError(f"{self._name}: an engine starts once")
+        stack = contextlib.AsyncExitStack()
+        await stack.__aenter__()
+        try:
+            self._nursery = await stack.enter_async_context(trio.open_nursery())
+            serve = partial(
+                trio.serve_tcp, self._serve, self._port_wanted, host=self._host, handler_nursery=self._nursery
+            )
+            listeners = await self._nursery.start(serve)
+        except BaseException as e:
+            await stack.__aexit__(type(e), e, e.__traceback__)
+            raise
+        self._port = listeners[0].socket.getsockname()[1]
+        self._stack = stack
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        stack, self._stack = self._stack, None
+        if stack is None:
+            return
+        self._closed = True
+        assert self._nursery is not None
+        self._nursery.cancel_scope.cancel()
+        for peer in self._peers.values():
+            for conn in peer.idle:
+                conn.close()
+            peer.idle.clear()
+        for rec in self._book.records():
+            rec.finish(XferState.ERR, "engine closed")
+        self._notifs.close()
+        await stack.__aexit__(*exc_info)
+
+    async def aclose(self) -> None:
+        """Same as leaving `async with`; call it from the task that started the engine."""
+        await self.__aexit__(None, None, None)
+
+    def _started(self) -> trio.Nursery:
+        if self._nursery is None or self._closed:
+            raise RuntimeError(f"{self._name}: not running (use `async with engine:`)")
+        return self._nursery
+
+    # -- regions and peers ---------------------------------------------------------------------
+
+    def register(self, name: str, tensor: torch.Tensor | np.ndarray) -> MemoryRegion:
+        """Expose a host page pool `[num_pages, ...]` (CPU tensor or numpy array) under `name`."""
+        if not name or len(name.encode("utf-8")) > MAX_NAME_BYTES:
+            raise ValueError(f"region name: expected 1..{MAX_NAME_BYTES} UTF-8 bytes, got {name!r}")
+        if name in self._regions:
+            raise ValueError(f"region {name!r} is already registered with {self._name}")
+        pages = host_pages(name, tensor)
+        region = MemoryRegion(name, 0, pages.shape[1], pages.shape[0])
+        self._regions[name] = _Region(region, tensor, pages, DescList.for_region(region))
+        return region
+
+    def prepare(self, region: MemoryRegion) -> DescList:
+        return self._local(region).descs
+
+    def _local(self, region: MemoryRegion) -> _Region:
+        reg = self._regions.get(region.name)
+        if reg is None or reg.region != region:
+            raise ValueError(f"region {region.name!r} is not registered with {self._name}")
+        return reg
+
+    def local_info(self) -> bytes:
+        fields = {"host": self._host.encode("utf-8"), "port": self.port.to_bytes(2, "little")}
+        regions = tuple(r.region for r in self._regions.values())
+        return PeerInfo(self.kind, self._name, fields, regions).encode()
+
+    async def add_peer(self, info: bytes) -> str:
+        """Learn a peer from its `local_info()`; adding a known peer again updates it."""
+        peer = PeerInfo.decode(info)
+        if peer.kind != self.kind:
+            raise ValueError(
+                f"peer info is for a {peer.kind!r} engine; {self._name} is a {self.kind!r} engine"
+            )
+        try:
+            host = peer.fields["host"].decode("utf-8")
+            port = int.from_bytes(peer.fields["port"], "little")
+        except (KeyError, UnicodeDecodeError) as e:
+            raise ValueError(f"peer info of {peer.name!r}: missing or bad host/port field ({e})") from None
+        old = self._peers.get(peer.name)
+        if old is not None and (old.host, old.port) == (host, port):
+            old.info = peer
+        else:
+            if old is not None:
+                for conn in old.idle:
+                    conn.close()
+            self._peers[peer.name] = _Peer(peer, host, port, trio.Semaphore(self._streams_per_peer))
+        return peer.name
+
+    # -- transfers -----------------------------------------------------------------------------
+
+    async def post(
+        self,
+        op: Op,
+        local: MemoryRegion,
+        local_pages: Sequence[int] | np.ndarray,
+        peer: str,
+        remote_region: str,
+        remote_pages: Sequence[int] | np.ndarray,
+        notif: bytes = b"",
+    ) -> XferHandle:
+        nursery = self._started()
+        reg = self._local(local)
+        p = self._peers.get(peer)
+        if p is None:
+            raise ValueError(f"{self._name}: unknown peer {peer!r}; known peers {sorted(self._peers)}")
+        remote = p.info.region(remote_region)
+        lp, rp = check_request(op, local, local_pages, remote, remote_pages, notif)
+        rec = self._book.new(op, peer, len(lp), len(lp) * local.page_bytes)
+        scope = trio.CancelScope()
+        self._scopes[rec.handle.xid] = scope
+        nursery.start_soon(self._run, rec, scope, p, op, reg, lp, remote_region, rp, bytes(notif))
+        await trio.lowlevel.checkpoint()
+        return rec.handle
+
+    def state(self, handle: XferHandle) -> XferState:
+        return self._book.get(handle).state
+
+    def reason(self, handle: XferHandle) -> str | None:
+        """Why a transfer ended in ERR (None otherwise)."""
+        return self._book.get(handle).reason
+
+    async def wait(self, handle: XferHandle, *, timeout: float) -> XferState:
+        """`DONE` or `ERR`; raises `TransferTimeout` if still in flight after `timeout` seconds."""
+        return await self._book.wait(handle, timeout)
+
+    def release(self, handle: XferHandle) -> None:
+        """Forget a transfer; one still in flight is cancelled (its connection is dropped)."""
+        rec = self._book.pop(handle)
+        scope = self._scopes.pop(handle.xid, None)
+        if scope is not None and rec.state is XferState.PROC:
+            scope.cancel()
+        rec.finish(XferState.ERR, "released while in flight")
+
+    async def next_notif(self) -> tuple[str, bytes]:
+        return await self._notifs.next()
+
+    def notifs(self) -> list[tuple[str, bytes]]:
+        return self._notifs.drain()
+
+    # -- initiator side ------------------------------------------------------------------------
+
+    async def _run(
+        self,
+        rec: XferRecord,
+        scope: trio.CancelScope,
+        peer: _Peer,
+        op: str,
+        reg: _Region,
+        lp: np.ndarray,
+        remote_region: str,
+        rp: np.ndarray,
+        notif: bytes,
+    ) -> None:
+        with scope:
+            try:
+                async with peer.slots:
+                    conn = await self._checkout(peer)
+                    reusable = False
+                    try:
+                        if op == "WRITE":
+                            await self._write(conn, rec, reg, lp, remote_region, rp, notif)
+                        else:
+                            await self._read(conn, rec, reg, lp, remote_region, rp, notif)
+                        reusable = rec.state is XferState.DONE
+                    finally:
+                        if reusable and not self._closed:
+                            peer.idle.append(conn)
+                        else:
+                            conn.close()
+            except ProtocolError as e:
+                rec.finish(XferState.ERR, f"protocol error from {peer.info.name!r}: {e}")
+            except _NET_ERRORS as e:
+                rec.finish(XferState.ERR, f"connection to {peer.info.name!r} lost: {e!r}")
+        self._scopes.pop(rec.handle.xid, None)
+        rec.finish(XferState.ERR, "cancelled")
+
+    async def _checkout(self, peer: _Peer) -> Conn:
+        """An idle connection to `peer` that is still open, else a new one."""
+        while peer.idle:
+            conn = peer.idle.pop()
+            if not conn.is_stale():
+                return conn
+            conn.close()
+        return await self._connect(peer)
+
+    async def _connect(self, peer: _Peer) -> Conn:
+        stream = await trio.open_tcp_stream(peer.host, peer.port)
+        conn = Conn(stream)
+        try:
+            me = self._name.encode("utf-8")
+            await conn.send([encode_header(Msg.HELLO, 0, me)])
+            f = await conn.recv_frame()
+            if f.type is Msg.ERROR:
+                raise ProtocolError(f"HELLO refused: {await _error_text(conn, f)}")
+            if f.type is not Msg.HELLO_ACK or f.name != peer.info.name.encode("utf-8"):
+                raise ProtocolError(
+                    f"expected HELLO_ACK from {peer.info.name!r}, got {f.type.name} {f.name!r}"
+                )
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    async def _write(
+        self,
+        conn: Conn,
+        rec: XferRecord,
+        reg: _Region,
+        lp: np.ndarray,
+        region: str,
+        rp: np.ndarray,
+        notif: bytes,
+    ) -> None:
+        xid = rec.handle.xid
+        head = encode_header(
+            Msg.WRITE, xid, region.encode("utf-8"), len(rp), reg.region.page_bytes, len(notif)
+        )
+        try:
+            await conn.send([head, rp.astype(INDEX_DTYPE).tobytes(), notif, *reg.views(lp)])
+        except _NET_ERRORS:
+            # The target may have refused the request and closed: report its reason if it sent one.
+            with trio.move_on_after(0.5):
+                f = await conn.recv_frame()
+                if f.type is Msg.ERROR:
+                    raise ProtocolError(f"refused: {await _error_text(conn, f)}") from None
+            raise
+        f = await conn.recv_frame()
+        self._check_reply(f, xid, Msg.ACK)
+        if f.type is Msg.ERROR:
+            rec.finish(XferState.ERR, f"refused by peer: {await _error_text(conn, f)}")
+        else:
+            rec.finish(XferState.DONE)
+
+    async def _read(
+        self,
+        conn: Conn,
+        rec: XferRecord,
+        reg: _Region,
+        lp: np.ndarray,
+        region: str,
+        rp: np.ndarray,
+        notif: bytes,
+    ) -> None:
+        xid = rec.handle.xid
+        page_bytes = reg.region.page_bytes
+        head = encode_header(Msg.READ, xid, region.encode("utf-8"), len(rp), page_bytes, len(notif))
+        await conn.send([head, rp.astype(INDEX_DTYPE).tobytes(), notif])
+        f = await conn.recv_frame()
+        self._check_reply(f, xid, Msg.READ_DATA)
+        if f.type is Msg.ERROR:
+            rec.finish(XferState.ERR, f"refused by peer: {await _error_text(conn, f)}")
+            return
+        if f.count != len(lp) or f.page_bytes != page_bytes:
+            raise ProtocolError(
+                f"READ_DATA of {f.count} x {f.page_bytes} bytes, expected {len(lp)} x {page_bytes}"
+            )
+        await conn.recv_into(reg.views(lp))
+        await conn.send([encode_header(Msg.READ_DONE, xid)])
+        rec.finish(XferState.DONE)
+
+    @staticmethod
+    def _check_reply(f: Frame, xid: int, want: Msg) -> None:
+        if f.type not in (want, Msg.ERROR):
+            raise ProtocolError(f"expected {want.name} or ERROR, got {f.type.name}")
+        if f.xid != xid:
+            raise ProtocolError(f"{f.type.name} for transfer {f.xid}, expected {xid}")
+
+    # -- target side ---------------------------------------------------------------------------
+
+    async def _serve(self, stream: trio.SocketStream) -> None:
+        conn = Conn(stream)
+        xid = 0
+        try:
+            f = await conn.recv_frame(boundary=True)
+            if f.type is not Msg.HELLO:
+                raise ProtocolError(f"expected HELLO first, got {f.type.name}")
+            try:
+                peer = f.name.decode("utf-8")
+            except UnicodeDecodeError:
+                raise ProtocolError("HELLO: the engine name is not UTF-8") from None
+            await conn.send([encode_header(Msg.HELLO_ACK, 0, self._name.encode("utf-8"))])
+            while True:
+                f = await conn.recv_frame(boundary=True)
+                xid = f.xid
+                if f.type is Msg.WRITE:
+                    await self._serve_write(conn, peer, f)
+                elif f.type is Msg.READ:
+                    await self._serve_read(conn, peer, f)
+                else:
+                    raise ProtocolError(f"expected WRITE or READ, got {f.type.name}")
+        except ProtocolError as e:
+            with trio.move_on_after(ERROR_SEND_S), contextlib.suppress(*_NET_ERRORS):
+                await conn.send_error(xid, str(e))
+        except _NET_ERRORS:
+            pass  # the initiator went away; a partial WRITE is discarded (no notification)
+        finally:
+            conn.close()
+
+    async def _request(self, conn: Conn, f: Frame) -> tuple[_Region, np.ndarray, bytes]:
+        """Check a WRITE/READ request against the region before reading its indices and notif."""
+        try:
+            name = f.name.decode("utf-8")
+        except UnicodeDecodeError:
+            raise ProtocolError(f"{f.type.name}: region name is not UTF-8") from None
+        reg = self._regions.get(name)
+        if reg is None:
+            raise ProtocolError(f"{f.type.name}: unknown region {name!r}")
+        region = reg.region
+        if f.page_bytes != region.page_bytes:
+            raise ProtocolError(
+                f"{f.type.name}: page_bytes {f.page_bytes}, region {name!r} has {region.page_bytes}"
+            )
+        if f.count > region.num_pages:
+            raise ProtocolError(f"{f.type.name}: {f.count} pages, region {name!r} has {region.num_pages}")
+        idx = np.frombuffer(await conn.recv_exactly(f.count * INDEX_DTYPE.itemsize), dtype=INDEX_DTYPE)
+        if idx.size:
+            top = int(idx.max())
+            if top >= region.num_pages:
+                raise ProtocolError(
+                    f"{f.type.name}: page {top} out of range for region {name!r} of {region.num_pages}"
+                )
+            if f.type is Msg.WRITE and len(np.unique(idx)) != len(idx):
+                raise ProtocolError(f"WRITE: destination pages repeat in region {name!r}")
+        notif = bytes(await conn.recv_exactly(f.notif_len))
+        return reg, idx.astype(np.int64), notif
+
+    async def _serve_write(self, conn: Conn, peer: str, f: Frame) -> None:
+        reg, idx, notif = await self._request(conn, f)
+        await conn.recv_into(reg.views(idx))
+        if notif:
+            self._notifs.put(peer, notif)
+        await conn.send([encode_header(Msg.ACK, f.xid)])
+
+    async def _serve_read(self, conn: Conn, peer: str, f: Frame) -> None:
+        reg, idx, notif = await self._request(conn, f)
+        head = encode_header(Msg.READ_DATA, f.xid, count=len(idx), page_bytes=reg.region.page_bytes)
+        await conn.send([head, *reg.views(idx)])
+        done = await conn.recv_frame()
+        if done.type is not Msg.READ_DONE or done.xid != f.xid:
+            raise ProtocolError(
+                f"expected READ_DONE for transfer {f.xid}, got {done.type.name} for {done.xid}"
+            )
+        if notif:
+            self._notifs.put(peer, notif)
+
+
+async def _error_text(conn: Conn, f: Frame) -> str:
+    raw = await conn.recv_exactly(f.notif_len)
+    return raw.decode("utf-8", errors="replace")
