@@ -11,6 +11,7 @@ structure as the scenario describes.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import time
@@ -80,6 +81,7 @@ class Replayer:
         self.problems: list[str] = []
         self.verified = 0
         self._sessions: dict[str, tuple[list[int], int]] = {}  # actual sequence, scenario length
+        self._checker = trio.CapacityLimiter(1)
 
     def prompt_of(self, item: WorkItem) -> list[int]:
         tokens = base_tokens(item, self.vocab)
@@ -125,7 +127,13 @@ class Replayer:
         max_new = max(1, item.output_len)
         reply, kv = await client.generate(item.id, prompt, max_new, verify=self.verify, tenant=item.tenant)
         if self.verify:
-            problems = self.ledger.check(prompt, max_new, reply, kv, tenant=item.tenant)
+            # Checking recomputes the request with the model: off the loop, so the replay's own
+            # timing is not disturbed; one at a time and in completion order, so a page is
+            # checked only after the request that produced it was recorded.
+            problems = await trio.to_thread.run_sync(
+                functools.partial(self.ledger.check, prompt, max_new, reply, kv, tenant=item.tenant),
+                limiter=self._checker,
+            )
             self.problems += problems
             self.verified += not problems
         if item.session and reply.get("outcome") == "finished":
