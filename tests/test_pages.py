@@ -44,7 +44,7 @@ def as_ints(keys: np.ndarray) -> list[int]:
 
 
 def xxh64_chain(pages: np.ndarray, seed: int) -> list[int]:
-    """Independent oracle: for pages of <= 3 tokens our key function is exactly chained XXH64."""
+    """Independent oracle: every key is XXH64 of its page's int64 lanes, seeded by the previous key."""
     keys, prev = [], seed
     for page in pages:
         prev = xxhash.xxh64_intdigest(page.astype("<i8").tobytes(), seed=prev)
@@ -68,8 +68,8 @@ def test_numba_kernel_matches_pure_python_reference(tokens: np.ndarray, page_siz
 
 @needs_xxhash
 @SETTINGS
-@given(tokens=token_arrays(max_len=60), page_size=st.integers(1, 3), seed=seeds)
-def test_small_pages_are_exactly_chained_xxh64(tokens: np.ndarray, page_size: int, seed: int) -> None:
+@given(tokens=token_arrays(max_len=200), page_size=st.integers(1, 40), seed=seeds)
+def test_keys_are_exactly_chained_xxh64(tokens: np.ndarray, page_size: int, seed: int) -> None:
     expected = xxh64_chain(paginate(tokens, page_size), seed)
     assert as_ints(page_keys(tokens, page_size, seed)) == expected
     assert page_keys_reference(tokens, page_size, seed) == expected
@@ -77,7 +77,7 @@ def test_small_pages_are_exactly_chained_xxh64(tokens: np.ndarray, page_size: in
 
 def test_golden_keys_are_stable() -> None:
     """Keys may be persisted (e.g. in a remote store), so the function must not drift silently."""
-    assert as_ints(page_keys(np.arange(8, dtype=np.int64), 4, 0)) == [0x22414DF66B3EA4C4, 0x4C135397855A45F2]
+    assert as_ints(page_keys(np.arange(8, dtype=np.int64), 4, 0)) == [0xD5FE80BD05F87C8E, 0x42352C583876B61E]
     assert namespace_seed("m") == 0x1F54EE59CB156F39
     assert namespace_seed("m", "t") == 0xE85158E72D8DECB8
 

@@ -7,11 +7,11 @@ share pages across requests), and two namespaces (model, tenant) start from diff
 their keys coincide only by 64-bit chance. A partial trailing page has no key because its contents
 can still grow.
 
-The mixing function is an xxhash64-style design over 64-bit lanes (one lane per token), with the
-previous key as the page's seed; for pages of up to 3 tokens it *is* XXH64, which gives the tests
-an independent oracle. Every step is a bijection of the accumulator, so for a fixed prefix a change
-of any single token is *guaranteed* (not just likely) to change the key of its page and of every
-page after it.
+A page's key is XXH64 of its tokens as 64-bit lanes (one lane per token), seeded with the
+previous key, which gives the tests an independent oracle (the `xxhash` package). XXH64's four
+independent accumulators let the kernel overlap its multiplies. Every accumulator update is a
+bijection, so for a fixed prefix a change of any single token changes its page's accumulators and,
+short of a 64-bit collision, the key of its page and of every page after it.
 
 Token values are taken modulo 2**64 as two's-complement bit patterns: signed dtypes are
 sign-extended and unsigned ones zero-extended, so the same values as int32 or int64 give the
@@ -69,6 +69,11 @@ _P3 = np.uint64(_P3_INT)
 _P4 = np.uint64(_P4_INT)
 _P5 = np.uint64(_P5_INT)
 _BLOCK_DOMAIN = np.uint64(_BLOCK_DOMAIN_INT)
+_U64_1 = np.uint64(1)
+_U64_7 = np.uint64(7)
+_U64_12 = np.uint64(12)
+_U64_18 = np.uint64(18)
+_U64_64 = np.uint64(64)
 _U64_27 = np.uint64(27)
 _U64_29 = np.uint64(29)
 _U64_31 = np.uint64(31)
@@ -225,20 +230,53 @@ def _avalanche(acc: np.uint64) -> np.uint64:  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, nogil=True)
+def _rotl(x: np.uint64, r: np.uint64) -> np.uint64:  # pragma: no cover - compiled
+    return (x << r) | (x >> (_U64_64 - r))
+
+
+@numba.njit(cache=True, nogil=True)
+def _stripe_round(acc: np.uint64, lane: np.uint64) -> np.uint64:  # pragma: no cover - compiled
+    """One of XXH64's four parallel accumulators takes one lane."""
+    return _rotl(acc + lane * _P2, _U64_31) * _P1
+
+
+@numba.njit(cache=True, nogil=True)
 def _page_keys_kernel(tokens: np.ndarray, page_size: np.int64, seed: np.uint64) -> np.ndarray:
-    """Hash all full pages in one call; the chain makes this inherently sequential."""
+    """XXH64 of every full page's int64 lanes, seeded by the previous page's key. Pages of 4 or
+    more tokens run XXH64's four independent accumulators, so the multiplies overlap instead of
+    waiting on each other; the chain across pages is inherently sequential."""
     n_pages = tokens.shape[0] // page_size
     out = np.empty(n_pages, dtype=np.uint64)
-    start_bias = _P5 + np.uint64(8 * page_size)  # the page's length in bytes, as in XXH64
+    nbytes = np.uint64(8 * page_size)
+    stripes = page_size // 4
     prev = np.uint64(seed)
     i = 0
     for p in range(n_pages):
-        acc = prev + start_bias
-        for _ in range(page_size):
-            # int32 -> int64 sign-extends; int64 -> uint64 keeps the bit pattern.
-            acc = _merge_lane(acc, np.uint64(np.int64(tokens[i])))
+        end = i + page_size
+        if stripes:
+            v1 = prev + _P1 + _P2
+            v2 = prev + _P2
+            v3 = prev
+            v4 = prev - _P1
+            for _ in range(stripes):
+                # int32 -> int64 sign-extends; int64 -> uint64 keeps the bit pattern.
+                v1 = _stripe_round(v1, np.uint64(np.int64(tokens[i])))
+                v2 = _stripe_round(v2, np.uint64(np.int64(tokens[i + 1])))
+                v3 = _stripe_round(v3, np.uint64(np.int64(tokens[i + 2])))
+                v4 = _stripe_round(v4, np.uint64(np.int64(tokens[i + 3])))
+                i += 4
+            h = _rotl(v1, _U64_1) + _rotl(v2, _U64_7) + _rotl(v3, _U64_12) + _rotl(v4, _U64_18)
+            h = (h ^ _lane_round(v1)) * _P1 + _P4
+            h = (h ^ _lane_round(v2)) * _P1 + _P4
+            h = (h ^ _lane_round(v3)) * _P1 + _P4
+            h = (h ^ _lane_round(v4)) * _P1 + _P4
+        else:
+            h = prev + _P5
+        h = h + nbytes
+        while i < end:
+            h = _merge_lane(h, np.uint64(np.int64(tokens[i])))
             i += 1
-        prev = _avalanche(acc)
+        prev = _avalanche(h)
         out[p] = prev
     return out
 
@@ -300,29 +338,53 @@ def _avalanche_py(acc: int) -> int:
     return acc ^ (acc >> 32)
 
 
+def _rotl_py(x: int, r: int) -> int:
+    return ((x << r) | (x >> (64 - r))) & _MASK64
+
+
+def _stripe_round_py(acc: int, lane: int) -> int:
+    return (_rotl_py((acc + lane * _P2_INT) & _MASK64, 31) * _P1_INT) & _MASK64
+
+
 def page_keys_reference(tokens: TokenLike, page_size: int, seed: int) -> list[int]:
     """Bit-identical pure-Python twin of :func:`page_keys`: the readable statement of the hash.
 
-    For page i with tokens t_0..t_{P-1} (as 64-bit two's-complement lanes)::
+    Page i's key is XXH64 of the page's tokens as little-endian int64 lanes, seeded with
+    ``k_{i-1}`` (``k_{-1}`` = seed), all arithmetic modulo 2**64::
 
-        acc = k_{i-1} + P5 + 8*P                    (k_{-1} = seed)
-        for t in page:  acc = rotl(acc ^ round(t), 27) * P1 + P4
-        k_i = avalanche(acc)
-
-    where ``round(t) = rotl(t * P2, 31) * P1``, all arithmetic modulo 2**64. For pages of at
-    most 3 tokens this is exactly XXH64 of the page's little-endian int64 bytes seeded with
-    ``k_{i-1}`` (longer inputs switch XXH64 to its 4-lane path, which we do not follow).
+        if P >= 4:  four accumulators v1..v4 = k + P1 + P2, k + P2, k, k - P1 take the lanes in
+                    turn (v = rotl(v + t * P2, 31) * P1); h = rotl(v1, 1) + rotl(v2, 7)
+                    + rotl(v3, 12) + rotl(v4, 18), then each v is merged into h
+        else:       h = k + P5
+        h += 8 * P; the remaining P mod 4 lanes: h = rotl(h ^ round(t), 27) * P1 + P4
+        k_i = avalanche(h)
     """
     arr = _as_lane_vector(tokens, "tokens")
     page_size = _check_count(page_size, "page_size", 1)
     prev = _check_seed(seed)
     lanes = [int(t) & _MASK64 for t in arr.tolist()]
     keys: list[int] = []
+    stripes = page_size // 4
     for start in range(0, len(lanes) - page_size + 1, page_size):
-        acc = (prev + _P5_INT + 8 * page_size) & _MASK64
-        for lane in lanes[start : start + page_size]:
-            acc = _merge_lane_py(acc, lane)
-        prev = _avalanche_py(acc)
+        page = lanes[start : start + page_size]
+        if stripes:
+            v = [
+                (prev + _P1_INT + _P2_INT) & _MASK64,
+                (prev + _P2_INT) & _MASK64,
+                prev,
+                (prev - _P1_INT) & _MASK64,
+            ]
+            for j in range(stripes * 4):
+                v[j % 4] = _stripe_round_py(v[j % 4], page[j])
+            h = (_rotl_py(v[0], 1) + _rotl_py(v[1], 7) + _rotl_py(v[2], 12) + _rotl_py(v[3], 18)) & _MASK64
+            for x in v:
+                h = ((h ^ _stripe_round_py(0, x)) * _P1_INT + _P4_INT) & _MASK64
+        else:
+            h = (prev + _P5_INT) & _MASK64
+        h = (h + 8 * page_size) & _MASK64
+        for lane in page[stripes * 4 :]:
+            h = _merge_lane_py(h, lane)
+        prev = _avalanche_py(h)
         keys.append(prev)
     return keys
 
