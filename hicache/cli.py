@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from hicache.core.errors import PolicyError
+from hicache.faults import FaultSpec
 from hicache.scenarios import __file__ as _scenarios_init
 from hicache.scenarios.scenario import ScenarioError, load_scenario
 from hicache.scenarios.trace_stats import trace_stats
@@ -25,6 +26,80 @@ def _add_set(parser: argparse.ArgumentParser) -> None:
         metavar="SECTION.KEY=VALUE",
         help="override a scenario field (TOML value syntax; repeatable), e.g. cache.hicache_ratio=4",
     )
+
+
+def _add_sim_studies(sim: argparse._SubParsersAction) -> None:
+    """`sim sweep`, `sim report` and `sim capacity`: policy studies over many simulations."""
+    sweep = sim.add_parser(
+        "sweep",
+        help="simulate the cartesian product of --grid values x seeds, in parallel, resumably",
+        description="Each run simulates every baseline of the scenario with one combination of the grids' "
+        "values and one seed, and is saved as DIR/runs/<id>.json as soon as it finishes; DIR/sweep.csv "
+        "(one row per run and baseline) is rebuilt from those files at the end.",
+    )
+    sweep.add_argument("scenario", type=Path, help="a scenario file (TOML)")
+    sweep.add_argument(
+        "--grid",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=V1,V2,...",
+        help="a swept field and its values (TOML values; repeatable), e.g. cache.hicache_ratio=1.2,2,4",
+    )
+    _add_set(sweep)
+    sweep.add_argument(
+        "--repeat", type=int, default=None, metavar="N", help="seeds 0..N-1 (default: the scenario's seed)"
+    )
+    sweep.add_argument("--executor", choices=["local", "ray"], default="local", help="where runs execute")
+    sweep.add_argument(
+        "--workers", type=int, default=None, help="local processes (default: every CPU; 1: this process)"
+    )
+    sweep.add_argument(
+        "--ray-address", default=None, help="the Ray cluster (default: RAY_ADDRESS, else a local instance)"
+    )
+    sweep.add_argument("--out", type=Path, default=None, help="results folder (default out/<name>-sweep)")
+    sweep.add_argument(
+        "--resume", action="store_true", help="continue the sweep in --out, skipping saved runs"
+    )
+    sweep.add_argument("--quiet", action="store_true", help="no progress bar")
+    report = sim.add_parser(
+        "report",
+        help="write DIR/report.html for a sweep folder",
+        description="A self-contained HTML page (PNG plots in DIR/report/): the sweep's table, TTFT against "
+        "each swept parameter, restored tokens by tier, bytes over the P->D link, fallback tokens.",
+    )
+    report.add_argument("folder", type=Path, metavar="DIR", help="the --out folder of `hicache sim sweep`")
+    capacity = sim.add_parser(
+        "capacity",
+        help="the highest request rate that meets the SLOs, per policy (bisection over the arrival rate)",
+        description="Scales the workload's arrival rate (a trace's time_scale; a generator's rate and, "
+        "inversely, its think_time/tool_time) and bisects for the highest scale whose run meets every "
+        "SLO; prints a table and writes capacity.json.",
+    )
+    capacity.add_argument("scenario", type=Path, help="a scenario file (TOML)")
+    capacity.add_argument(
+        "--slo",
+        required=True,
+        metavar="METRIC=LIMIT,...",
+        help="upper limits, e.g. ttft_p90=2s,tpot_p90=100ms (ttft|tpot|e2e with mean|p50|p90|p99; s, ms)",
+    )
+    _add_set(capacity)
+    capacity.add_argument(
+        "--policies",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=V1,V2,...",
+        help="variants to compare (repeatable: their product), e.g. cache.promise=eager,adaptive",
+    )
+    capacity.add_argument("--baseline", default="l1_l2_l3", help="the baseline to load (default l1_l2_l3)")
+    capacity.add_argument("--lo", type=float, default=0.1, help="lowest rate scale tried (default 0.1)")
+    capacity.add_argument("--hi", type=float, default=10.0, help="highest rate scale tried (default 10)")
+    capacity.add_argument(
+        "--tol", type=float, default=0.05, help="relative resolution of the scale (default 0.05)"
+    )
+    capacity.add_argument(
+        "--out", type=Path, default=None, help="results folder (default out/<name>-capacity)"
+    )
+    capacity.add_argument("--quiet", action="store_true", help="no line per simulated scale")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--out", type=Path, default=None, help="results folder (default out/<scenario name>)")
     run.add_argument("--quiet", action="store_true", help="no progress bars")
     _add_set(run)
+    _add_sim_studies(sim)
     node = sub.add_parser("node", help="run one runtime node (a process)").add_subparsers(
         dest="node_command", required=True
     )
@@ -80,6 +156,13 @@ def build_parser() -> argparse.ArgumentParser:
     decode.add_argument("--prefetch-threshold-tokens", type=int, default=None)
     decode.add_argument("--decode-reserve-tokens", type=int, default=None)
     decode.add_argument("--no-storage", action="store_true", help="no L3 at all")
+    decode.add_argument(
+        "--faults",
+        default=None,
+        metavar="SPEC",
+        help="inject faults into the node's own operations: a JSON [faults] table, or a list such as "
+        "'l3_get:error:0.01,load:delay:0.1:0.001..0.05,seed:7' (see docs/reliability.md)",
+    )
     run = sub.add_parser(
         "run",
         help="replay a scenario on real nodes (--runtime): a prefill and a decode process on loopback",
@@ -153,6 +236,89 @@ def run_sim(scenario_path: Path, overrides: list[str], out: Path | None, *, prog
     return 0
 
 
+def run_sweep_command(args: argparse.Namespace) -> int:
+    from hicache.sim.sweep import make_executor, plan_sweep, run_sweep
+
+    plan = plan_sweep(args.scenario, args.grid, args.overrides, args.repeat)
+    executor = make_executor(args.executor, args.workers, args.ray_address)
+    out = args.out or Path("out") / f"{plan.base['name']}-sweep"
+    sizes = " x ".join(f"{len(g.values)} {g.field}" for g in plan.grids) or "1 configuration"
+    seeds = f"{len(plan.seeds)} seed" + ("s" if len(plan.seeds) > 1 else "")
+    print(
+        f"sweep {plan.base['name']}: {len(plan.runs)} run(s) ({sizes} x {seeds}), "
+        f"baselines {', '.join(plan.baselines)}; results in {out}",
+        flush=True,
+    )
+    try:
+        outcome = run_sweep(plan, out, executor=executor, resume=args.resume, progress=not args.quiet)
+    except KeyboardInterrupt:
+        print(
+            f"interrupted: finished runs are saved in {out / 'runs'}; continue with --resume", file=sys.stderr
+        )
+        return 130
+    print(f"ran {len(outcome.ran)}, kept {len(outcome.skipped)} saved; wrote {outcome.csv}")
+    return 0
+
+
+def run_report(args: argparse.Namespace) -> int:
+    from hicache.sim.report import write_report
+
+    print(f"wrote {write_report(args.folder)}")
+    return 0
+
+
+def run_capacity(args: argparse.Namespace) -> int:
+    from hicache.results import write_summary_json
+    from hicache.sim.capacity import (
+        Probe,
+        capacity_doc,
+        format_capacity,
+        parse_slo,
+        plan_variants,
+        scale_grid,
+        search_capacity,
+    )
+
+    slo = parse_slo(args.slo)
+    scale_grid(args.lo, args.hi, args.tol)  # checks the bounds before anything runs
+    variants = plan_variants(args.scenario, args.policies, args.overrides, args.baseline)
+    print(
+        f"capacity of {', '.join(v.label for v in variants)} ({args.baseline}), "
+        f"scales {args.lo:g}..{args.hi:g} within {args.tol:.0%}; SLO {slo.describe()}",
+        flush=True,
+    )
+    results = []
+    for variant in variants:
+
+        def show(probe: Probe, label: str = variant.label) -> None:
+            if not args.quiet:
+                rate = probe.summary.get("request_rate")
+                shown = "-" if rate is None else f"{rate:.3f} req/s"
+                verdict = "meets" if probe.passed else "misses"
+                print(f"  {label}: scale {probe.scale:.4g} ({shown}) {verdict} the SLO", flush=True)
+
+        cap = search_capacity(
+            variant, slo, baseline=args.baseline, lo=args.lo, hi=args.hi, tol=args.tol, on_probe=show
+        )
+        results.append((variant, cap))
+    print(format_capacity(results, slo, args.lo))
+    out = args.out or Path("out") / f"{variants[0].scenario.name}-capacity"
+    out.mkdir(parents=True, exist_ok=True)
+    doc = capacity_doc(
+        results,
+        slo,
+        scenario_path=str(args.scenario),
+        sets=args.overrides,
+        baseline=args.baseline,
+        lo=args.lo,
+        hi=args.hi,
+        tol=args.tol,
+    )
+    write_summary_json(out / "capacity.json", doc)
+    print(f"wrote {out / 'capacity.json'}")
+    return 0
+
+
 def _decode_config(args: argparse.Namespace):
     from hicache.core.config import DecodeConfig
 
@@ -200,6 +366,7 @@ def run_node(args: argparse.Namespace) -> int:
         model=model,
         storage_dir=args.storage_dir,
         tick_interval=args.tick_interval,
+        faults=FaultSpec.from_arg(args.faults) if args.faults else None,
     )
     return nodes.main_decode(opts)
 
@@ -228,6 +395,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "demo":
             return run_sim(DEMO_SCENARIO, args.overrides, args.out, progress=sys.stderr.isatty())
         if args.command == "sim":
+            if args.sim_command == "sweep":
+                return run_sweep_command(args)
+            if args.sim_command == "report":
+                return run_report(args)
+            if args.sim_command == "capacity":
+                return run_capacity(args)
             return run_sim(args.scenario, args.overrides, args.out, progress=not args.quiet)
         if args.command == "trace":
             return run_trace_stats(args)

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 import attrs
+import numba
 import numpy as np
 import torch
 import trio
@@ -150,6 +151,18 @@ def contiguous_runs(src: np.ndarray, dst: np.ndarray) -> np.ndarray:
     return np.stack((src[starts], dst[starts], lengths), axis=1)
 
 
+@numba.njit(nogil=True, cache=True)
+def _copy_rows(
+    src: np.ndarray, s_idx: np.ndarray, dst: np.ndarray, d_idx: np.ndarray
+) -> None:  # pragma: no cover
+    """dst[d_idx[i]] = src[s_idx[i]] for every i, one pass over each page (GIL released)."""
+    words = src.shape[1]
+    for i in range(s_idx.shape[0]):
+        s, d = s_idx[i], d_idx[i]
+        for w in range(words):
+            dst[d, w] = src[s, w]
+
+
 class CopyEngine:
     """Executes page copies between pools; one engine per node (it owns staging buffers, CUDA side
     streams and a thread limiter of `threads` tokens: 1-2 saturate host memory bandwidth).
@@ -179,6 +192,14 @@ class CopyEngine:
         # Free staging buffers (flat int64), per (device, pinned). At most `threads` are taken at
         # once on the host; a GPU copy holds its buffers until the GPU is done with them.
         self._staging: dict[tuple[str, bool], list[torch.Tensor]] = collections.defaultdict(list)
+        # Compile (or load) the row-copy kernel now: a first call inside a worker thread would
+        # hold the GIL while numba compiles, stalling the event loop.
+        _copy_rows(
+            np.zeros((1, 1), np.int64),
+            np.zeros(0, np.int64),
+            np.zeros((1, 1), np.int64),
+            np.zeros(0, np.int64),
+        )
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._trackers: dict[torch.device, StreamTracker] = {}
 
@@ -273,21 +294,15 @@ class CopyEngine:
     # --------------------------------------------------------------------------------- host path
 
     def _copy_host(self, src: KVPool, s_idx: np.ndarray, dst: KVPool, d_idx: np.ndarray) -> None:
-        src_w, dst_w = src.words_view(), dst.words_view()
+        # numpy views of the pools: numpy's copy is plain memcpy (torch's CPU copy_ is slower
+        # here), and the numba kernel moves each page once with no staging buffer.
+        src_w, dst_w = src.words_view().numpy(), dst.words_view().numpy()
         runs = contiguous_runs(s_idx, d_idx)
         if self._by_runs(runs, s_idx.size, src.layout.page_bytes):
             for s0, d0, k in runs.tolist():
-                dst_w[d0 : d0 + k].copy_(src_w[s0 : s0 + k])
+                np.copyto(dst_w[d0 : d0 + k], src_w[s0 : s0 + k])
             return
-        n, words = s_idx.size, src.layout.page_words
-        cpu = torch.device("cpu")
-        buf = self._take(cpu, False, n * words)
-        try:
-            staging = buf[: n * words].view(n, words)
-            torch.index_select(src_w, 0, torch.from_numpy(s_idx), out=staging)
-            dst_w.index_copy_(0, torch.from_numpy(d_idx), staging)
-        finally:
-            self._give(cpu, False, buf)
+        _copy_rows(src_w, s_idx.astype(np.int64, copy=False), dst_w, d_idx.astype(np.int64, copy=False))
 
     # --------------------------------------------------------------------------------- CUDA path
 

@@ -12,6 +12,11 @@ For verification the reply carries, per page of the KV the request had before it
 step, the digest of its bytes and where it came from (restored from the cache, or sent by
 prefill with prefill's own digest), the digests of its final pages, and optionally the
 assembled KV itself.
+
+With a `FaultSpec` the service injects faults into its own operations (`runtime/faults.py`) and
+checks pages wherever they could go bad: L2 pages against the checksums taken when they were
+written, received pages against prefill's digests. A control connection to prefill that is lost
+is opened again by the next transfer.
 """
 
 from __future__ import annotations
@@ -33,8 +38,17 @@ from hicache.core.config import DecodeConfig
 from hicache.core.decode_node import DecodeNodeCore
 from hicache.core.errors import CoreError
 from hicache.core.pages import namespace_seed, page_keys
+from hicache.faults import FaultSpec, core_audit
 from hicache.runtime import protocol
 from hicache.runtime.copy_engine import CopyEngine
+from hicache.runtime.faults import (
+    CheckedCopies,
+    FaultyStore,
+    PageGuard,
+    RuntimeFaults,
+    flip_offset,
+    flip_page_byte,
+)
 from hicache.runtime.kv_digest import page_digest
 from hicache.runtime.kv_layout import KVLayout
 from hicache.runtime.kv_pool import KVPool
@@ -86,14 +100,19 @@ class DecodeService:
         tick_interval: float = 0.002,
         transfer_timeout: float = 30.0,
         device: str = "cpu",
+        faults: FaultSpec | None = None,
+        check_pages: bool | None = None,
     ) -> None:
+        """`check_pages` (default: whenever `faults` are given) verifies every page leaving L2
+        and every page received from prefill."""
         if layout.page_size != config.page_size:
             raise ValueError(f"layout page size {layout.page_size} != core page size {config.page_size}")
         self.cfg = config
         self.core = DecodeNodeCore(config)
         self.model = model
         self.layout = layout
-        self.store = store
+        self.faults = RuntimeFaults(faults) if faults is not None and faults.active else None
+        self.store: StorageBackend = store if self.faults is None else FaultyStore(store, self.faults)
         self.engine = engine
         self.model_name = model_name
         self.tick_interval = tick_interval
@@ -102,9 +121,15 @@ class DecodeService:
         self.l2 = KVPool(layout, max(config.l2_pages, 1), name="L2")
         self.region = engine.register("L1", self.l1.bytes_view())
         self.copies = CopyEngine(threads=1)
+        self.check_pages = self.faults is not None if check_pages is None else check_pages
+        guard = PageGuard(self.l2) if self.check_pages else None
+        self.checked = CheckedCopies(self.copies, self.l1, self.l2, guard=guard, faults=self.faults)
         self.live: dict[str, _Live] = {}
         self._nursery: trio.Nursery | None = None
-        self._prefill: trio.SocketStream | None = None
+        self._prefill_at: tuple[str, int] = ("", 0)
+        self._prefill: trio.SocketStream | None = None  # None: to be opened by the next transfer
+        self._prefill_gen = 0  # counts control connections opened
+        self._sent: dict[int, int] = {}  # transfer -> the connection its request went out on, until answered
         self._prefill_lock = trio.Lock()
         self._kv_replies: dict[int, trio.MemorySendChannel] = {}
         self._notifs: dict[int, trio.Event] = {}
@@ -125,16 +150,11 @@ class DecodeService:
         task_status=trio.TASK_STATUS_IGNORED,
     ) -> None:
         """Connect to the prefill node, then serve clients on `client_port` until cancelled."""
-        stream = await trio.open_tcp_stream(*prefill)
-        self._prefill = stream
-        reader = protocol.FrameReader(stream, max_binary=0)
-        await protocol.send(stream, {"op": "hello", "info": self.engine.local_info().hex()})
-        hello, _ = await reader.receive()
-        await self.engine.add_peer(bytes.fromhex(protocol.field(hello, "info", str)))
+        self._prefill_at = prefill
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
-                nursery.start_soon(self._prefill_replies, reader)
+                await self._connect_prefill()
                 nursery.start_soon(self._notif_loop)
                 nursery.start_soon(self._tick_loop)
                 nursery.start_soon(self._decode_loop)
@@ -143,8 +163,24 @@ class DecodeService:
                 task_status.started(listeners[0].socket.getsockname()[1])
         finally:
             with trio.CancelScope(shield=True):
-                await stream.aclose()
+                if self._prefill is not None:
+                    await self._prefill.aclose()
                 await self.store.aclose()
+
+    async def _connect_prefill(self) -> None:
+        """Open the control connection (hello: each side learns the other's transfer engine)."""
+        stream = await trio.open_tcp_stream(*self._prefill_at)
+        try:
+            reader = protocol.FrameReader(stream, max_binary=0)
+            await protocol.send(stream, {"op": "hello", "info": self.engine.local_info().hex()})
+            hello, _ = await reader.receive()
+            await self.engine.add_peer(bytes.fromhex(protocol.field(hello, "info", str)))
+        except BaseException:
+            await stream.aclose()
+            raise
+        self._prefill = stream
+        self._prefill_gen += 1
+        self._spawn(self._prefill_replies, reader, stream, self._prefill_gen)
 
     # ------------------------------------------------------------------ clients
 
@@ -160,9 +196,11 @@ class DecodeService:
                 if op == "generate":
                     reply, binary = await self._generate(msg)
                 elif op == "evict":
-                    self._run_all(
-                        self.core.evict(int(msg.get("l1", 1 << 40)), int(msg.get("l2", 0)), at=self._now())
-                    )
+                    l1 = protocol.field(msg, "l1", int) if "l1" in msg else 1 << 40
+                    l2 = protocol.field(msg, "l2", int) if "l2" in msg else 0
+                    if l1 < 0 or l2 < 0:
+                        raise protocol.ProtocolError("evict: l1 and l2 must be >= 0")
+                    self._run_all(self.core.evict(l1, l2, at=self._now()))
                     reply, binary = {"op": "evict", "ok": True}, b""
                 elif op == "idle":
                     while not (self.core.idle and not self.live):
@@ -170,6 +208,8 @@ class DecodeService:
                     reply, binary = {"op": "idle", "ok": True}, b""
                 elif op == "stats":
                     reply, binary = {"op": "stats", **attrs.asdict(self.core.stats)}, b""
+                elif op == "audit":
+                    reply, binary = {"op": "audit", **self.audit()}, b""
                 else:
                     reply, binary = {"op": "error", "reason": f"unknown op {op!r}"}, b""
                 await protocol.send(stream, reply, binary)
@@ -181,6 +221,20 @@ class DecodeService:
                 await protocol.send(stream, {"op": "error", "reason": str(exc)})
         finally:
             await stream.aclose()
+
+    def audit(self) -> dict[str, Any]:
+        """What the node holds (slots by owner, locks, pins: `hicache.faults.core_audit`), whether
+        its invariants hold, and the faults injected and caught so far."""
+        try:
+            self.core.check()
+            check = "ok"
+        except CoreError as exc:
+            check = str(exc)
+        out: dict[str, Any] = {**core_audit(self.core), "check": check}
+        if self.faults is not None:
+            out["faults_injected"] = dict(sorted(self.faults.injected.items()))
+            out["faults_caught"] = dict(sorted(self.faults.caught.items()))
+        return out
 
     async def _generate(self, msg: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
         rid = protocol.field(msg, "rid", str)
@@ -251,9 +305,10 @@ class DecodeService:
         elif isinstance(c, cmd.CancelPrefetch):
             pass  # the prefetch runs to its end and reports what arrived; the core expects that
         elif isinstance(c, cmd.LoadBack):
-            self._spawn(self._copy, self.l2, c.host_slots, self.l1, c.device_slots, ev.LoadDone, c.op)
+            owners = {s: rid for rid in c.reqs for s in self.core.requests[rid].slots}
+            self._spawn(self._load, c, owners)
         elif isinstance(c, cmd.Backup):
-            self._spawn(self._copy, self.l1, c.device_slots, self.l2, c.host_slots, ev.BackupDone, c.op)
+            self._spawn(self._backup, c)
         elif isinstance(c, cmd.Store):
             self._spawn(self._store, c)
         elif isinstance(c, cmd.RequestKV):
@@ -281,20 +336,30 @@ class DecodeService:
 
     async def _prefetch(self, c: cmd.Prefetch) -> None:
         pages = await self.store.get(list(c.keys), self.l2, list(c.host_slots))
+        await self.checked.prefetched(c.host_slots, pages)
         self._feed(ev.PrefetchDone(self._now(), c.op, pages))
 
-    async def _copy(
-        self, src: KVPool, s: tuple[int, ...], dst: KVPool, d: tuple[int, ...], kind: type, op: int
-    ) -> None:
-        await self.copies.copy(src, list(s), dst, list(d))
-        self._feed(kind(self._now(), op))
+    async def _load(self, c: cmd.LoadBack, owners: dict[int, str]) -> None:
+        failed = await self.checked.load(c, owners)
+        self._feed(ev.LoadDone(self._now(), c.op, failed))
+
+    async def _backup(self, c: cmd.Backup) -> None:
+        await self.checked.backup(c)
+        self._feed(ev.BackupDone(self._now(), c.op))
 
     async def _store(self, c: cmd.Store) -> None:
-        await self.store.put(list(c.keys), self.l2, list(c.host_slots))
+        keep = await self.checked.storable(c.host_slots)
+        if keep:
+            keys, slots = [c.keys[i] for i in keep], [c.host_slots[i] for i in keep]
+            await self.store.put(keys, self.l2, slots)
         self._feed(ev.StoreDone(self._now(), c.op))
 
     async def _timer(self, c: cmd.SetTimer) -> None:
-        await trio.sleep_until(c.at)
+        d = self.faults.take("timer", c.timer) if self.faults is not None else None
+        if d is not None:
+            self.faults.applied(d)  # type: ignore[union-attr]
+        if d is None or d.kind == "delay":
+            await trio.sleep_until(c.at + (d.delay if d is not None else 0.0))
         self._feed(ev.TimerFired(self._now(), c.timer))
 
     async def _request_kv(self, c: cmd.RequestKV) -> None:
@@ -302,6 +367,20 @@ class DecodeService:
         if live.promised < 0:
             live.promised = c.start
         prompt_len = self.core.requests[c.req].prompt_len  # the prompt of this admission
+        page = self.cfg.page_size
+        faults = self.faults
+        d = faults.take("transfer", c.transfer) if faults is not None else None
+        if faults is not None and d is not None:
+            await faults.delay(d)
+            if d.kind == "error":
+                faults.applied(d)
+                self._feed(ev.KVFailed(self._now(), c.req, c.transfer, "prefill transfer error (injected)"))
+                return
+        end, dst = c.end, list(c.dst_slots)
+        if faults is not None and d is not None and d.kind == "partial" and dst:  # prefill sends a prefix
+            faults.applied(d)
+            k = d.prefix(len(dst))
+            end, dst = min(c.end, c.start + k * page), dst[:k]
         send, receive = trio.open_memory_channel[dict](1)
         self._kv_replies[c.transfer] = send
         arrived = self._notifs.setdefault(c.transfer, trio.Event())
@@ -310,45 +389,97 @@ class DecodeService:
             "tid": c.transfer,
             "tokens": live.tokens[:prompt_len],
             "start": c.start,
-            "end": c.end,
-            "dst": list(c.dst_slots),
+            "end": end,
+            "dst": dst,
         }
         reason = ""
         reply: dict = {}
         with trio.move_on_after(self.transfer_timeout) as scope:
             try:
                 async with self._prefill_lock:
+                    if self._prefill is None:
+                        await self._connect_prefill()
                     await protocol.send(self._prefill, msg)  # type: ignore[arg-type]
+                    gen = self._sent[c.transfer] = self._prefill_gen
                 reply = await receive.receive()
                 if reply.get("ok"):
                     await arrived.wait()
-            except (trio.BrokenResourceError, trio.ClosedResourceError, trio.EndOfChannel) as exc:
-                reason = f"prefill connection lost: {exc}"
+                if faults is not None and d is not None and d.kind == "peer_death":
+                    faults.applied(d)
+                    await self._cut_prefill(gen)
+                    reason = "prefill connection lost before the transfer was confirmed (injected)"
+            except (
+                trio.BrokenResourceError,
+                trio.ClosedResourceError,
+                trio.EndOfChannel,
+                EOFError,
+                OSError,
+                protocol.ProtocolError,
+            ) as exc:
+                reason = f"prefill connection lost: {exc or type(exc).__name__}"
+        self._sent.pop(c.transfer, None)
         self._kv_replies.pop(c.transfer, None)
         self._notifs.pop(c.transfer, None)
         if scope.cancelled_caught:
             reason = f"no KV from prefill within {self.transfer_timeout} s"
         elif not reason and not reply.get("ok"):
             reason = str(reply.get("reason", "prefill failed"))
+        elif not reason and end < c.end:
+            reason = f"prefill sent {len(dst)} of {len(c.dst_slots)} pages (injected)"
+        if not reason and self.check_pages:
+            if faults is not None and d is not None and d.kind == "corrupt" and dst:
+                faults.applied(d)
+                i, offset = flip_offset(d, len(dst), self.layout.page_bytes)
+                flip_page_byte(self.l1, dst[i], offset)
+            reason = self._check_received(dst, reply["digests"], c.start // page)
         if reason:
             self._feed(ev.KVFailed(self._now(), c.req, c.transfer, reason))
             return
-        page = self.cfg.page_size
         for j, digest in enumerate(reply["digests"]):
             live.received[c.start // page + j] = digest
         if not live.gen:
             live.gen.append(int(reply["first_token"]))
         self._feed(ev.KVArrived(self._now(), c.req, c.transfer))
 
-    async def _prefill_replies(self, reader: protocol.FrameReader) -> None:
+    def _check_received(self, dst: list[int], digests: list[str], first: int) -> str:
+        """Why the pages a transfer wrote are not what prefill says it sent ("" if they are)."""
+        for j, digest in enumerate(digests):
+            if page_digest(self.l1.data[dst[j]]) != digest:
+                if self.faults is not None:
+                    self.faults.caught["received_page_rejected"] += 1
+                return f"received page {first + j} differs from what prefill sent"
+        return ""
+
+    async def _cut_prefill(self, gen: int) -> None:
+        """Close control connection `gen` as a dying peer would, at a point where no transfer
+        sent on it is unanswered: no WRITE can land after its transfer is reported failed."""
+        async with self._prefill_lock:  # nothing new goes out meanwhile
+            while any(g == gen for g in self._sent.values()):
+                await trio.sleep(self.tick_interval)
+            if self._prefill is not None and self._prefill_gen == gen:
+                stream, self._prefill = self._prefill, None
+                await stream.aclose()
+
+    async def _prefill_replies(
+        self, reader: protocol.FrameReader, stream: trio.SocketStream, gen: int
+    ) -> None:
         while True:
             try:
                 msg, _ = await reader.receive()
             except (EOFError, protocol.ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError):
-                for send in list(self._kv_replies.values()):
-                    send.close()
+                if self._prefill is stream:
+                    self._prefill = None  # the next transfer opens a new connection
+                    with trio.CancelScope(shield=True):
+                        await stream.aclose()
+                for tid, g in list(self._sent.items()):
+                    send = self._kv_replies.get(tid)
+                    if g == gen and send is not None:
+                        send.close()
                 return
-            send = self._kv_replies.get(msg.get("tid", -1))
+            tid = msg.get("tid", -1)
+            if self._sent.get(tid) == gen:
+                del self._sent[tid]
+            send = self._kv_replies.get(tid)
             if send is not None:
                 send.send_nowait(msg)
 

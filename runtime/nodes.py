@@ -18,7 +18,9 @@ import attrs
 import trio
 
 from hicache.core.config import DecodeConfig
+from hicache.faults import FaultSpec
 from hicache.runtime.decode_node import DecodeService
+from hicache.runtime.faults import FaultyStore
 from hicache.runtime.kv_layout import KVLayout
 from hicache.runtime.model import TinyConfig, TinyModel
 from hicache.runtime.prefill_node import PrefillNode
@@ -65,6 +67,7 @@ class DecodeOptions:
     storage_dir: Path | None = None  # None: an in-memory L3
     model_name: str = "tiny"
     tick_interval: float = 0.002
+    faults: FaultSpec | None = None  # injected into the node's own operations
 
 
 def _ready(info: dict) -> None:
@@ -95,6 +98,8 @@ async def run_prefill(opts: PrefillOptions) -> None:
 async def run_decode(opts: DecodeOptions) -> None:
     layout = layout_for(opts.model, opts.core.page_size)
     store = FileStore(opts.storage_dir, layout) if opts.storage_dir is not None else MemoryStore(layout)
+    if opts.faults is not None:
+        FaultyStore.check(opts.faults, store)  # before anything starts: a bad spec exits with its reason
     # A restarted decode node must not reuse its predecessor's agent name: peers still know it.
     engine = make_engine(opts.engine, f"decode-{opts.engine}-{os.getpid()}")
     async with engine, trio.open_nursery() as nursery:
@@ -106,6 +111,7 @@ async def run_decode(opts: DecodeOptions) -> None:
             engine,
             model_name=opts.model_name,
             tick_interval=opts.tick_interval,
+            faults=opts.faults,
         )
         nursery.start_soon(_until_signal, nursery.cancel_scope)
         port = await nursery.start(service.run, opts.port, opts.prefill)

@@ -22,6 +22,9 @@ VERSION = 1
 _HEAD = struct.Struct("<4sBIQ")  # magic, version, json length, binary length
 MAX_JSON = 16 << 20
 MAX_BINARY = 1 << 30
+# At most this much is asked of the stream per read: a socket read allocates the size it asks
+# for, so asking for a frame's announced length would allocate what a peer merely claims.
+READ_CHUNK = 1 << 20
 
 
 class ProtocolError(Exception):
@@ -52,7 +55,7 @@ class FrameReader:
 
     async def _exactly(self, n: int, what: str) -> bytes:
         while len(self._buf) < n:
-            chunk = await self.stream.receive_some(max(65536, n - len(self._buf)))
+            chunk = await self.stream.receive_some(min(max(65536, n - len(self._buf)), READ_CHUNK))
             if not chunk:
                 if not self._buf and what == "header":
                     raise EOFError("the peer closed the connection")

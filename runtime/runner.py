@@ -1,5 +1,7 @@
 """`hicache run SCENARIO --runtime`: a prefill and a decode process on loopback, the scenario's
-requests replayed through them and verified, results in the simulator's schema."""
+requests replayed through them and verified, results in the simulator's schema. A scenario's
+`[faults]` go to the decode node; after the replay the node's audit (slots, locks, pins, faults
+injected and caught) goes into the summary."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import trio
 from tqdm import tqdm
 
 from hicache.results import format_table, summarize, write_requests_csv, write_summary_json
+from hicache.runtime.client import DecodeClient
 from hicache.runtime.launch import NodeProcess, start_node
 from hicache.runtime.model import TinyConfig, TinyModel
 from hicache.runtime.nodes import layout_for
@@ -44,7 +47,26 @@ def node_args(scenario: Scenario, engine: str, storage_dir: Path, prefill_port: 
         "--prefetch-threshold-tokens", str(c.prefetch_threshold_tokens),
         "--decode-reserve-tokens", str(c.decode_reserve_tokens),
         "--tick-interval", str(scenario.cluster.tick_interval),
-    ]  # fmt: skip
+    ] + (["--faults", scenario.faults.to_arg()] if scenario.faults is not None else [])  # fmt: skip
+
+
+async def decode_audit(port: int) -> dict:
+    """Once the decode node is at rest: what it still holds, and the faults it injected."""
+    client = await DecodeClient.connect("127.0.0.1", port)
+    try:
+        await client.idle()
+        reply, _ = await client.call({"op": "audit"})
+    finally:
+        await client.aclose()
+    return {k: v for k, v in reply.items() if k != "op"}
+
+
+def audit_problems(audit: dict) -> list[str]:
+    """What an audit shows the node lost: slots nobody frees, receipts held, requests not ended."""
+    out = [f"{k}: {audit[k]}" for k in ("l1_leaked", "l2_leaked", "locks", "pins", "live") if audit.get(k)]
+    if audit.get("check", "ok") != "ok":
+        out.append(f"check: {audit['check']}")
+    return out
 
 
 def run_scenario(
@@ -96,22 +118,27 @@ def run_scenario(
                 result = await replayer.run(items, sequential=sequential, time_scale=time_scale)
             finally:
                 bar.close()
-            return result, (decode.stop(), prefill.stop())
+            audit = await decode_audit(decode.port)
+            return result, audit, (decode.stop(), prefill.stop())
         finally:
             for node in (decode, prefill):
                 if node is not None:
                     node.kill()
 
-    result, codes = trio.run(main)
+    result, audit, codes = trio.run(main)
     summary = summarize(result.records, events=0, wall_s=result.wall_s, sim_s=result.wall_s)
     summary["verified"] = result.verified
     summary["problems"] = result.problems
+    summary["audit"] = audit
     summary["exit_codes"] = {"decode": codes[0], "prefill": codes[1]}
     write_summary_json(out / "summary.json", {"scenario": scenario.to_dict(), "runs": {"runtime": summary}})
     write_requests_csv(out / "requests.csv", [("runtime", result.records)])
     print(format_table({"runtime": summary}))
     print(f"verified {result.verified}/{len(result.records)} requests bit-exact; nodes exited {codes}")
-    for p in result.problems[:20]:
+    lost = audit_problems(audit)
+    if "faults_injected" in audit:
+        print(f"faults injected {audit['faults_injected']}; caught {audit.get('faults_caught', {})}")
+    for p in result.problems[:20] + lost:
         print("PROBLEM", p)
     print(f"wrote {out / 'summary.json'}, {out / 'requests.csv'}")
-    return 0 if not result.problems and len(result.records) == len(items) else 1
+    return 0 if not result.problems and not lost and len(result.records) == len(items) else 1

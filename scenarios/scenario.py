@@ -25,6 +25,7 @@ import attrs
 from hicache.core.config import PREFETCH_POLICIES, PROMISE_POLICIES, RETRACT_POLICIES, DecodeConfig
 from hicache.core.eviction import EVICTION_POLICIES
 from hicache.core.write_policy import WritePolicy
+from hicache.faults import SPEC_KEYS, FaultSpec, FaultSpecError
 from hicache.scenarios.generators import VOCAB_MAX, AgenticLoop, SharedPrefix
 from hicache.scenarios.multiturn import MultiTurnChat
 
@@ -301,6 +302,7 @@ class Scenario:
     cluster: ClusterSpec = ClusterSpec()
     cache: CacheSpec = CacheSpec()
     run: RunSpec = RunSpec()
+    faults: FaultSpec | None = None  # [faults]: injected into the decode nodes' operations
     source: str = attrs.field(default="", eq=False)  # where it was loaded from, for messages
 
     @property
@@ -315,6 +317,8 @@ class Scenario:
             out[section] = {
                 k: list(v) if isinstance(v, tuple) else v for k, v in values.items() if v is not None
             }
+        if self.faults is not None:
+            out["faults"] = self.faults.to_dict()
         return out
 
 
@@ -395,6 +399,7 @@ _SECTIONS: dict[str, tuple[type, dict[str, Check]]] = {
 _CUSTOM_MODEL = ("name", "layers", "q_heads", "kv_heads", "head_dim", "params")
 _TOP = {"name": _text, "seed": _integer(0)}
 SECTIONS = ("workload", *_SECTIONS)
+FAULTS = "faults"  # an optional section, validated by `hicache.faults.FaultSpec.parse`
 
 _WORKLOAD_COMMON = {"kind": _one_of(WORKLOAD_KINDS, "workload kind"), "tenants": _integer(1)}
 _TRACE = {"path": _text, "time_scale": _number(0, above=True), "limit": _integer(0)}
@@ -549,14 +554,20 @@ def parse_scenario(doc: Mapping[str, Any], source: str) -> Scenario:
     if not isinstance(doc, Mapping):
         raise ScenarioError(source, None, f"expected a table of sections, got {_show(doc)}")
     for key in doc:
-        if key not in _TOP and key not in SECTIONS:
-            raise _unknown(source, key, (*_TOP, *SECTIONS), "unknown key or section")
+        if key not in _TOP and key not in SECTIONS and key != FAULTS:
+            raise _unknown(source, key, (*_TOP, *SECTIONS, FAULTS), "unknown key or section")
     name = _checked(_text, doc.get("name", Path(source).stem or "scenario"), source, "name")
     seed = _checked(_TOP["seed"], doc.get("seed", 0), source, "seed")
     workload = _parse_workload(doc, source)
     model = _parse_model(doc, source)
     sections = {s: _parse_section(doc, s, source) for s in ("hardware", "storage", "cluster", "cache", "run")}
-    return Scenario(name, seed, workload, model, source=source, **sections)
+    faults = None
+    if FAULTS in doc:
+        try:
+            faults = FaultSpec.parse(doc[FAULTS], FAULTS)
+        except FaultSpecError as exc:
+            raise ScenarioError(source, exc.field, exc.detail) from None
+    return Scenario(name, seed, workload, model, source=source, faults=faults, **sections)
 
 
 # --- overrides and files --------------------------------------------------------------------
@@ -567,6 +578,8 @@ def _toml_value(raw: str) -> Any:
     try:
         parsed = tomllib.loads(f"value = {raw}")
     except tomllib.TOMLDecodeError:
+        return raw.strip()
+    except (ValueError, RecursionError):  # an integer of too many digits, nesting too deep
         return raw.strip()
     return parsed["value"] if list(parsed) == ["value"] else raw.strip()
 
@@ -608,9 +621,12 @@ def apply_overrides(
             out[path[0]] = value
             continue
         section, key = path
-        if section not in SECTIONS:
-            raise _unknown(source, section, SECTIONS, "unknown section")
-        if section == "workload" and kind is not None:
+        if section not in SECTIONS and section != FAULTS:
+            raise _unknown(source, section, (*SECTIONS, FAULTS), "unknown section")
+        if section == FAULTS:
+            if key not in SPEC_KEYS:
+                raise _unknown(source, field, SPEC_KEYS)
+        elif section == "workload" and kind is not None:
             if key not in workload_keys(kind):
                 raise _not_in_workload(source, key, kind)
         elif key not in section_keys(section):
@@ -643,10 +659,15 @@ def load_scenario(path: str | Path, overrides: Sequence[str] = ()) -> Scenario:
         found = re.search(r"line (\d+)", str(exc))
         where = f"{source}:{found.group(1)}" if found else source
         raise ScenarioError(where, None, f"invalid TOML: {exc}") from None
+    except (ValueError, RecursionError) as exc:  # tomllib: an integer of too many digits, deep nesting
+        raise ScenarioError(source, None, f"invalid TOML: {exc}") from None
     doc = apply_overrides(doc, overrides)
     try:
         return parse_scenario(doc, source)
     except ScenarioError as exc:
-        if exc.field is not None and exc.field in override_fields(overrides):
-            raise ScenarioError(OVERRIDE_SOURCE, exc.field, exc.detail) from None
+        field = exc.field
+        if field is not None and any(
+            field == f or field.startswith((f + ".", f + "[")) for f in override_fields(overrides)
+        ):
+            raise ScenarioError(OVERRIDE_SOURCE, field, exc.detail) from None
         raise

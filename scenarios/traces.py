@@ -15,9 +15,10 @@ from __future__ import annotations
 import csv
 import json
 import math
+from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import attrs
 
@@ -84,21 +85,36 @@ def _block_ids(
     return tuple(ids)
 
 
+def _text(raw: bytes, where: str) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise TraceError(f"{where}: not UTF-8 text (byte {exc.start})") from None
+
+
+def _json(text: str, where: str, what: str) -> Any:
+    """Parsed JSON; a number of too many digits or nesting too deep is refused like bad syntax."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise TraceError(f"{where}: {what} ({exc.msg})") from None
+    except (ValueError, RecursionError) as exc:
+        raise TraceError(f"{where}: {what} ({exc})") from None
+
+
 def read_mooncake(path: str | Path, *, time_scale: float = 1.0) -> list[TraceRequest]:
     """A Mooncake JSONL trace; arrival times are multiplied by `time_scale`."""
     path = Path(path)
     if not time_scale > 0:
         raise TraceError(f"time_scale must be > 0, got {time_scale!r}")
     out: list[TraceRequest] = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, 1):
             where = f"{path}:{lineno}"
+            line = _text(raw, where)
             if not line.strip():
                 continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise TraceError(f"{where}: not a JSON object ({exc.msg})") from None
+            obj = _json(line, where, "not a JSON object")
             if not isinstance(obj, dict):
                 raise TraceError(f"{where}: expected a JSON object, got {type(obj).__name__}")
             ts = _num_field(obj, "timestamp", where)
@@ -114,12 +130,16 @@ def read_azure_csv(path: str | Path, *, time_scale: float = 1.0) -> list[TraceRe
     path = Path(path)
     out: list[TraceRequest] = []
     start: datetime | None = None
-    with path.open(encoding="utf-8", newline="") as f:
-        reader = csv.DictReader(f)
+    with path.open("rb") as f:
+        reader = csv.DictReader(_utf8_lines(f, path))
         needed = {"TIMESTAMP", "ContextTokens", "GeneratedTokens"}
-        if reader.fieldnames is None or not needed <= set(reader.fieldnames):
-            raise TraceError(f"{path}:1: expected the columns {sorted(needed)}, got {reader.fieldnames}")
-        for lineno, row in enumerate(reader, 2):
+        try:
+            fields = reader.fieldnames
+        except csv.Error as exc:
+            raise TraceError(f"{path}:1: not a CSV header ({exc})") from None
+        if fields is None or not needed <= set(fields):
+            raise TraceError(f"{path}:1: expected the columns {sorted(needed)}, got {fields}")
+        for lineno, row in enumerate(_csv_rows(reader, path), 2):
             where = f"{path}:{lineno}"
             try:
                 ts = datetime.fromisoformat(row["TIMESTAMP"].strip()[:26])
@@ -133,13 +153,34 @@ def read_azure_csv(path: str | Path, *, time_scale: float = 1.0) -> list[TraceRe
                     values[key] = int(row[key])
                 except (TypeError, ValueError):
                     raise TraceError(f"{where}: field {key!r} must be an integer, got {row[key]!r}") from None
-                if values[key] < (1 if key == "ContextTokens" else 0):
+                if not (1 if key == "ContextTokens" else 0) <= values[key] < MAX_TOKENS:
                     raise TraceError(f"{where}: field {key!r} out of range: {values[key]}")
             start = ts if start is None else start
+            if (ts.tzinfo is None) != (start.tzinfo is None):
+                raise TraceError(f"{where}: field 'TIMESTAMP' mixes times with and without a UTC offset")
             arrival = (ts - start).total_seconds() * time_scale
             out.append(TraceRequest(arrival, values["ContextTokens"], values["GeneratedTokens"]))
     out.sort(key=lambda r: r.arrival)
     return out
+
+
+def _utf8_lines(f: BinaryIO, path: Path) -> Iterator[str]:
+    """A binary file's lines as text, so bytes that are not UTF-8 are blamed on their line."""
+    for lineno, raw in enumerate(f, 1):
+        yield _text(raw, f"{path}:{lineno}")
+
+
+def _csv_rows(reader: csv.DictReader, path: Path) -> Iterator[dict[str, Any]]:
+    """The reader's rows; a row the csv module refuses (a field over its size limit) is a
+    `TraceError` naming its line."""
+    while True:
+        try:
+            row = next(reader)
+        except StopIteration:
+            return
+        except csv.Error as exc:
+            raise TraceError(f"{path}:{reader.reader.line_num}: not a CSV row ({exc})") from None
+        yield row
 
 
 def read_kv_cache_tester(path: str | Path) -> list[TraceRequest]:
@@ -155,11 +196,16 @@ def read_kv_cache_tester(path: str | Path) -> list[TraceRequest]:
             doc = json.loads(file.read_text(encoding="utf-8"))
         except json.JSONDecodeError as exc:
             raise TraceError(f"{file}:{exc.lineno}: not JSON ({exc.msg})") from None
+        except (ValueError, RecursionError) as exc:  # not UTF-8, a number too long, nested too deep
+            raise TraceError(f"{file}: not JSON ({exc})") from None
         if not isinstance(doc, dict) or not isinstance(doc.get("requests"), list):
             raise TraceError(f"{file}: expected an object with a 'requests' list")
         block = _int_field(doc, "block_size", str(file), low=1)
         session = str(doc.get("id", file.stem))
-        _walk_session(doc["requests"], file, "requests", 0.0, block, index, session, out)
+        try:
+            _walk_session(doc["requests"], file, "requests", 0.0, block, index, session, out)
+        except RecursionError:
+            raise TraceError(f"{file}: sub-agents nested too deeply") from None
     out.sort(key=lambda r: r.arrival)
     return out
 

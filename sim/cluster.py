@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 
 import attrs
@@ -12,12 +13,15 @@ import attrs
 from hicache.core import commands as cmd
 from hicache.core.config import DecodeConfig
 from hicache.core.decode_node import DecodeNodeCore
+from hicache.core.errors import CoreError
+from hicache.faults import FaultSpec
 from hicache.results import RequestRecord, summarize
 from hicache.scenarios.workload import WorkItem
 from hicache.sim.channel import Channel
 from hicache.sim.costs import NodeCosts
 from hicache.sim.decode import DecodeDriver, LiveRequest
 from hicache.sim.engine import EventLoop
+from hicache.sim.faults import SimFaults
 from hicache.sim.prefill import PrefillJob, PrefillNode
 from hicache.sim.router import Router
 from hicache.sim.store import SharedStore
@@ -44,6 +48,7 @@ class ClusterSetup:
     storage_capacity_pages: int = 0
     max_running: int = 256
     tick_interval: float = 0.002
+    faults: FaultSpec | None = None  # injected into every decode node's operations
 
 
 @attrs.define(slots=True)
@@ -90,6 +95,7 @@ class Cluster:
                 max_running=s.max_running,
                 tick_interval=s.tick_interval,
                 on_response=self._respond,
+                faults=SimFaults(s.faults, i) if s.faults is not None else None,
             )
             for i in range(s.decode_nodes)
         ]
@@ -100,6 +106,7 @@ class Cluster:
         self._nodes: dict[str, tuple[int, int]] = {}
         self._progress: Callable[[int], None] | None = None
         self._sequential = False
+        self._unforgotten: list[tuple[DecodeDriver, str]] = []  # ended, I/O still in flight
 
     def run(
         self,
@@ -122,6 +129,7 @@ class Cluster:
         start = time.perf_counter()
         self.loop.run()
         wall = time.perf_counter() - start
+        self._forget()
         for d in self.decode:
             d.core.check()
             if d.live or not d.core.idle:
@@ -130,6 +138,11 @@ class Cluster:
         events = self.loop.events_run
         summary = summarize(self.records, events=events, wall_s=wall, sim_s=self.loop.now)
         summary["core_events"] = sum(d.core_events for d in self.decode)
+        if self.setup.faults is not None:
+            injected: Counter[str] = Counter()
+            for d in self.decode:
+                injected.update(d.faults.injected if d.faults is not None else {})
+            summary["faults_injected"] = dict(sorted(injected.items()))
         channels = {}
         for c in self._channels():
             channels[c.name] = {
@@ -178,11 +191,24 @@ class Cluster:
         if after is not None:
             self._arrive(after, arrivals, page, model)
 
+    def _forget(self) -> None:
+        kept = []
+        for driver, rid in self._unforgotten:
+            try:
+                driver.core.forget(rid)
+            except CoreError:
+                kept.append((driver, rid))
+        self._unforgotten = kept
+
     def _respond(self, live: LiveRequest, c: cmd.Respond) -> None:
         item = self._items.pop(live.rid)
         p, d = self._nodes.pop(live.rid)
         driver = self.decode[d]
-        r = driver.core.forget(live.rid)
+        r = driver.core.requests[live.rid]
+        # A request that failed may still have I/O in flight (a prefetch, another transfer):
+        # the core forgets it once that has completed.
+        self._unforgotten.append((driver, live.rid))
+        self._forget()
         a = r.account
         ok = c.outcome == "finished"
         ttft = live.first_token - live.arrival if live.first_token >= 0 else math.nan

@@ -4,7 +4,8 @@ The driver owns no cache decision. It feeds the core events (arrivals, scheduler
 completions, decode progress) and turns each command into simulated time on the node's
 channels: load-backs on the host->device link, backups on device->host, prefetches and stores
 on the shared storage channel, KV increments on the node's network ingress once the prefill
-node has computed them.
+node has computed them. With `faults` (`hicache.sim.faults`) an operation may fail, fall short
+or come late, as the runtime's do when faults are injected there.
 
 Decoding is fast-forwarded. A step of the running batch takes a(B) + b * S seconds (see
 `costs`); between changes of the batch's membership S grows by B per step, so the time of k
@@ -27,6 +28,7 @@ from hicache.core.decode_node import DecodeNodeCore
 from hicache.sim.channel import Channel, Transfer
 from hicache.sim.costs import NodeCosts, steps_time, steps_within
 from hicache.sim.engine import EventHandle, EventLoop
+from hicache.sim.faults import SimFaults
 from hicache.sim.prefill import PrefillNode
 from hicache.sim.store import SharedStore
 
@@ -70,6 +72,7 @@ class DecodeDriver:
         max_running: int,
         tick_interval: float,
         on_response: Callable[[LiveRequest, cmd.Respond], None],
+        faults: SimFaults | None = None,
     ) -> None:
         self.index = index
         self.loop = loop
@@ -82,6 +85,7 @@ class DecodeDriver:
         self.max_running = max_running
         self.tick_interval = tick_interval
         self.on_response = on_response
+        self.faults = faults
         self.flush_every = max(self.page, core.cfg.decode_reserve_tokens)
         self.live: dict[str, LiveRequest] = {}
         self.core_events = 0
@@ -141,20 +145,31 @@ class DecodeDriver:
             self._join(self.live[c.req])
         elif isinstance(c, cmd.LoadBack):
             t = self.h2d.reserve(now, len(c.host_slots) * page_bytes)
-            loop.at(t.done, self._feed_at, ev.LoadDone, c.op)
+            failed: tuple[str, ...] = ()
+            delay = 0.0
+            if self.faults is not None:
+                failed, delay = self.faults.load(c, self._owners(c))
+            loop.at(t.done + delay, self._load_done, c.op, failed)
         elif isinstance(c, cmd.Backup):
             t = self.d2h.reserve(now, len(c.device_slots) * page_bytes)
-            loop.at(t.done, self._feed_at, ev.BackupDone, c.op)
+            delay = self.faults.backup(c) if self.faults is not None else 0.0
+            loop.at(t.done + delay, self._feed_at, ev.BackupDone, c.op)
         elif isinstance(c, cmd.QueryStorage):
             assert self.store is not None
             hits = tuple((rid, self.store.prefix_hits(keys)) for rid, keys in c.queries)
-            loop.at(now + self.store.channel.latency, self._answer_query, c.op, hits)
+            delay = 0.0
+            if self.faults is not None:
+                hits, delay = self.faults.query(c.op, hits)
+            loop.at(now + self.store.channel.latency + delay, self._answer_query, c.op, hits)
         elif isinstance(c, cmd.Prefetch):
             assert self.store is not None
             avail = self.store.prefix_hits(c.keys)
+            delay = 0.0
+            if self.faults is not None:
+                avail, delay = self.faults.prefetch(c, avail)
             self.store.touch(c.keys[:avail])
             t = self.store.channel.reserve(now, avail * page_bytes)
-            handle = loop.at(t.done, self._prefetch_done, c.op)
+            handle = loop.at(t.done + delay, self._prefetch_done, c.op)
             self._prefetches[c.op] = (c, t, avail, handle)
         elif isinstance(c, cmd.CancelPrefetch):
             entry = self._prefetches.get(c.op)
@@ -168,9 +183,11 @@ class DecodeDriver:
         elif isinstance(c, cmd.Store):
             assert self.store is not None
             t = self.store.channel.reserve(now, len(c.keys) * page_bytes)
-            loop.at(t.done, self._store_done, c)
+            keys, delay = self.faults.store(c) if self.faults is not None else (c.keys, 0.0)
+            loop.at(t.done + delay, self._store_done, c.op, keys)
         elif isinstance(c, cmd.SetTimer):
-            loop.at(max(c.at, now), self._feed_at, ev.TimerFired, c.timer)
+            at = self.faults.timer(c, now) if self.faults is not None else max(c.at, now)
+            loop.at(at, self._feed_at, ev.TimerFired, c.timer)
         elif isinstance(c, cmd.Retract):
             self._leave(self.live[c.req])
         elif isinstance(c, cmd.Respond):
@@ -187,6 +204,13 @@ class DecodeDriver:
     def _feed_at(self, kind: type, op: int) -> None:
         self._feed(kind(self.loop.now, op))
 
+    def _owners(self, c: cmd.LoadBack) -> dict[int, str]:
+        """The request each device slot of a load-back belongs to."""
+        return {s: rid for rid in c.reqs for s in self.core.requests[rid].slots}
+
+    def _load_done(self, op: int, failed: tuple[str, ...]) -> None:
+        self._feed(ev.LoadDone(self.loop.now, op, failed))
+
     def _answer_query(self, op: int, hits: tuple[tuple[str, int], ...]) -> None:
         self._feed(ev.StorageQueried(self.loop.now, op, hits))
 
@@ -197,22 +221,32 @@ class DecodeDriver:
     def _feed_prefetch_done(self, op: int, pages: int) -> None:
         self._feed(ev.PrefetchDone(self.loop.now, op, pages))
 
-    def _store_done(self, c: cmd.Store) -> None:
-        self.store.add(c.keys)  # type: ignore[union-attr]
-        self._feed(ev.StoreDone(self.loop.now, c.op))
+    def _store_done(self, op: int, keys: tuple[int, ...]) -> None:
+        self.store.add(keys)  # type: ignore[union-attr]
+        self._feed(ev.StoreDone(self.loop.now, op))
 
     def _send(self, c: cmd.RequestKV) -> None:
         """Prefill has the KV: ship [start, end) over this node's network ingress."""
         live = self.live.get(c.req)
         nbytes = (c.end - c.start) * self.kvb
+        fault = self.faults.transfer(c) if self.faults is not None else None
+        if fault is not None:
+            nbytes *= fault.share
         if live is not None:
             live.pd_bytes += nbytes
         t = self.network.reserve(self.loop.now, nbytes)
-        self.loop.at(t.done, self._arrived, c.req, c.transfer)
+        if fault is not None and fault.fail:
+            self.loop.at(t.done + fault.delay, self._failed, c.req, c.transfer, fault.reason)
+            return
+        self.loop.at(t.done + (fault.delay if fault is not None else 0.0), self._arrived, c.req, c.transfer)
 
     def _arrived(self, rid: str, tid: int) -> None:
         self._transfer_req.pop(tid, None)
         self._feed(ev.KVArrived(self.loop.now, rid, tid))
+
+    def _failed(self, rid: str, tid: int, reason: str) -> None:
+        self._transfer_req.pop(tid, None)
+        self._feed(ev.KVFailed(self.loop.now, rid, tid, reason))
 
     # ------------------------------------------------------------------ the decode batch
 

@@ -58,6 +58,12 @@ PRESETS: dict[str, ModelGeometry] = {
     "llama-3-8b": ModelGeometry("llama-3-8b", 32, 32, 8, 128, 8.03e9, 8.03e9),
     # Qwen/Qwen2.5-32B: 64 layers, 40 heads, 8 KV heads, head_dim 5120/40 = 128, 32.5 B params.
     "qwen2.5-32b": ModelGeometry("qwen2.5-32b", 64, 40, 8, 128, 32.5e9, 32.5e9),
+    # Qwen/Qwen3-32B: 64 layers, 64 heads, 8 KV heads, head_dim 128 (set in its config; hidden size
+    # 5120), 32.8 B params. Same KV bytes per token as Qwen2.5-32B, 1.6x the attention FLOPs.
+    "qwen3-32b": ModelGeometry("qwen3-32b", 64, 64, 8, 128, 32.8e9, 32.8e9),
+    # meta-llama/Meta-Llama-3-70B: 80 layers, 64 heads, 8 KV heads, head_dim 8192/64 = 128, 70.6 B
+    # params: 320 KiB of KV per token, the figure Mooncake (FAST'25) uses for its LLaMA3-70B.
+    "llama-3-70b": ModelGeometry("llama-3-70b", 80, 64, 8, 128, 70.6e9, 70.6e9),
     # deepseek-ai/DeepSeek-V3: 61 layers, 128 heads, MLA kv_lora_rank 512 + qk_rope_head_dim 64,
     # 671 B params of which 37 B are activated per token. head_dim here is the attention's
     # per-head QK dimension (qk_nope 128 + qk_rope 64 = 192), used for the attention FLOPs.

@@ -139,5 +139,6 @@ def setups(scenario: Scenario) -> dict[str, ClusterSetup]:
             storage_capacity_pages=st.capacity_tokens // page,
             max_running=cl.max_running,
             tick_interval=cl.tick_interval,
+            faults=scenario.faults,
         )
     return out

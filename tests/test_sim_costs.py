@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import attrs
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -19,6 +20,8 @@ from hicache.sim.store import SharedStore
         ("llama-3-8b", 2 * 32 * 8 * 128 * 2),  # 131,072 B = 128 KiB per token
         ("qwen2.5-32b", 2 * 64 * 8 * 128 * 2),  # 262,144 B = 256 KiB
         ("deepseek-v3", 61 * (512 + 64) * 2),  # 70,272 B (MLA: latent + RoPE key)
+        ("qwen3-32b", 2 * 64 * 8 * 128 * 2),  # 262,144 B, as Qwen2.5-32B
+        ("llama-3-70b", 2 * 80 * 8 * 128 * 2),  # 327,680 B = 320 KiB (Mooncake's figure)
     ],
 )
 def test_kv_bytes_per_token(name: str, kv_bytes: int) -> None:
@@ -48,10 +51,32 @@ def test_hardware_presets_and_links() -> None:
     assert (h200.hbm_bytes, h200.hbm_bandwidth) == (141e9, 4.8e12)
     assert h200.effective_flops == 989e12 * 0.5
     assert link_preset("rdma400").seconds(50e9) == pytest.approx(1.0 + 5e-6)
-    with pytest.raises(ValueError, match="unknown GPU 'b200'; expected one of: a100, h100, h200"):
+    with pytest.raises(ValueError, match="unknown GPU 'b200'; expected one of: a100, a800, h100, h20, h200"):
         gpu_preset("b200")
     with pytest.raises(ValueError, match="unknown model"):
         model_preset("gpt-5")
+
+
+def test_presets_for_published_comparisons() -> None:
+    a800, h800, h20 = gpu_preset("a800"), gpu_preset("h800"), gpu_preset("h20")
+    assert (a800.hbm_bytes, a800.hbm_bandwidth, a800.bf16_flops) == (80e9, 2.039e12, 312e12)
+    assert (h800.hbm_bytes, h800.hbm_bandwidth, h800.bf16_flops) == (80e9, 3.35e12, 989e12)
+    assert (h20.hbm_bytes, h20.hbm_bandwidth, h20.bf16_flops) == (96e9, 4.0e12, 148e12)
+    assert link_preset("pcie4").seconds(31.5e9) == pytest.approx(1.0 + 10e-6)
+    # Qwen3-32B has 64 query heads where Qwen2.5-32B has 40: more attention FLOPs, same KV.
+    q3 = model_preset("qwen3-32b")
+    assert q3.flops_per_token(context=8192) == 2 * 32.8e9 + 4 * 64 * 8192 * 64 * 128
+
+
+def test_llama_3_70b_prefill_on_8_a800_by_hand() -> None:
+    # An 8K prompt from scratch at full peak (MFU 1): 2 x 70.6e9 per token plus causal attention
+    # over contexts 0..8191, over 8 x 312 TFLOPS.
+    c = NodeCosts(model_preset("llama-3-70b"), attrs.evolve(gpu_preset("a800"), efficiency=1.0), 8)
+    flops = 2 * 70.6e9 * 8192 + 4 * 80 * 64 * 128 * (8192 * 8191 / 2)
+    assert c.prefill_seconds(8192) == pytest.approx(flops / (8 * 312e12), rel=1e-12)
+    assert c.prefill_seconds(8192) == pytest.approx(0.4987, abs=1e-4)
+    # 8 x 80 GB at 0.9 minus 141.2 GB of weights, in 320 KiB tokens
+    assert c.kv_capacity_tokens(0.9) == int((8 * 80e9 * 0.9 - 70.6e9 * 2) // 327680)
 
 
 # --------------------------------------------------------------------------- node costs

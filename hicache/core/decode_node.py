@@ -87,6 +87,8 @@ class _LoadEntry:
 class _Load:
     op: int
     entries: list[_LoadEntry]
+    done: bool = False  # rank-local: this rank's copy has ended
+    failed: set[str] = attrs.Factory(set)  # rank-local: requests whose pages did not arrive here
     claims_device: list[int] = attrs.Factory(list)
     claims_host: list[int] = attrs.Factory(list)
     pins: list = attrs.Factory(list)
@@ -205,7 +207,8 @@ class DecodeNodeCore:
         if r is None or not r.state.terminal:
             raise CoreError(f"forget: request {rid!r} has not ended")
         busy = (
-            any(t.req == rid for t in self._transfers.values())
+            any(rid in q.reqs for q in self._queries.values())
+            or any(t.req == rid for t in self._transfers.values())
             or any(p.req == rid for p in self._prefetches.values())
             or any(e.req == rid for load in self._loads.values() for e in load.entries)
         )
@@ -272,6 +275,8 @@ class DecodeNodeCore:
             self._agree("l3_hits", self._query_values(), self._on_l3_agreed)
         if self._prefetches:
             self._agree("prefetch", self._prefetch_values(), self._on_prefetch_agreed)
+        if self.cfg.tp_size > 1 and self._loads:
+            self._agree("load", self._load_values(), self._on_load_agreed)
         self._issue_loads()
 
     def _admit(self) -> None:
@@ -547,10 +552,34 @@ class DecodeNodeCore:
         self._emit(cmd.LoadBack(op, host, device, tuple(dict.fromkeys(e.req for e in entries))))
 
     def _on_load_done(self, e: ev.LoadDone) -> None:
-        load = self._loads.pop(e.op, None)
-        if load is None:
+        load = self._loads.get(e.op)
+        if load is None or load.done:
             raise CoreError(f"LoadDone: no load-back #{e.op} is in flight")
-        failed = set(e.failed)
+        load.done = True
+        load.failed = set(e.failed)
+        if self.cfg.tp_size == 1:
+            self._finish_load(load, load.failed)
+        # With several ranks a load's outcome may differ between them (one rank's copy fails):
+        # the next tick agrees on it, and every rank falls back for the same requests.
+
+    def _load_values(self) -> dict:
+        out = {}
+        for load in self._loads.values():
+            out[("done", load.op)] = int(load.done)
+            for entry in load.entries:
+                out[("ok", load.op, entry.req)] = int(entry.req not in load.failed)
+        return out
+
+    def _on_load_agreed(self, values: dict) -> None:
+        for load in list(self._loads.values()):
+            if values.get(("done", load.op)) != 1:
+                continue  # some rank's copy is still running
+            failed = {e.req for e in load.entries if values.get(("ok", load.op, e.req), 1) == 0}
+            self._finish_load(load, failed)
+
+    def _finish_load(self, load: _Load, failed: set[str]) -> None:
+        """A load-back ended on every rank: account what arrived, fall back for what did not."""
+        del self._loads[load.op]
         page = self.cfg.page_size
         for entry in load.entries:
             if entry.orphan:

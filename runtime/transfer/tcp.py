@@ -24,8 +24,9 @@ then `notif` (notif_len bytes), then, for WRITE and READ_DATA, `count * page_byt
   differ from the region's, more pages than the region has, an index out of range, a repeated
   destination page, a name or notification over its limit) is answered by ERROR (the message in
   the notif field) and the connection is closed. Every length is checked against its limit before
-  anything is allocated or read, so a frame can never make the target allocate more than the
-  region it addresses (indices) or `MAX_NOTIF_BYTES`.
+  anything is allocated or read, so a frame can never make the target allocate more than 4 bytes
+  per page of the region it addresses (the indices) plus `MAX_NOTIF_BYTES`; pages are received
+  straight into the region.
 
 A connection carries one transfer at a time. Each peer gets up to `streams_per_peer` connections,
 opened on demand and kept for reuse; concurrent transfers to one peer use different connections.
@@ -106,6 +107,10 @@ class PeerClosed(Exception):
     def __init__(self, clean: bool) -> None:
         super().__init__("connection closed" + ("" if clean else " in the middle of a message"))
         self.clean = clean
+
+
+class _HandshakeTimeout(Exception):
+    """The peer accepted the connection but did not complete HELLO in time."""
 
 
 _NET_ERRORS = (OSError, PeerClosed, trio.BrokenResourceError, trio.ClosedResourceError)
@@ -243,19 +248,33 @@ class _Peer:
 class TcpEngine:
     """The TCP transfer engine; use as `async with TcpEngine() as engine:`.
 
-    `port=0` picks a free port; `local_info()` reports the bound one. Regions must be host
-    (CPU) tensors. `aclose()` (or leaving the `async with`) ends every transfer in flight with
-    `ERR`, closes all connections and makes `next_notif()` raise `trio.EndOfChannel` once the
-    queued notifications are read.
+    `host` is both the address it listens on and the one `local_info()` tells peers to dial;
+    `port=0` picks a free port and `local_info()` reports the bound one. Regions must be host
+    memory (CPU tensors or numpy arrays). `aclose()` (or leaving the `async with`) ends every
+    transfer in flight with `ERR`, closes all connections and makes `next_notif()` raise
+    `trio.EndOfChannel` once the queued notifications are read.
+
+    Opening a connection (connect, HELLO, HELLO_ACK) must finish within `handshake_timeout_s`,
+    on both sides: a peer that accepts but never answers fails the transfer with `ERR`, and a
+    connection that never says HELLO is dropped. Transfers themselves have no deadline here.
     """
 
     kind = "tcp"
 
     def __init__(
-        self, host: str = "127.0.0.1", port: int = 0, *, name: str | None = None, streams_per_peer: int = 4
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        name: str | None = None,
+        streams_per_peer: int = 4,
+        handshake_timeout_s: float = 5.0,
     ) -> None:
         if streams_per_peer < 1:
             raise ValueError(f"streams_per_peer: expected >= 1, got {streams_per_peer}")
+        if not handshake_timeout_s > 0:
+            raise ValueError(f"handshake_timeout_s: expected > 0 seconds, got {handshake_timeout_s}")
+        self._handshake_timeout = handshake_timeout_s
         self._name = name if name is not None else f"tcp-{uuid.uuid4().hex[:12]}"
         if not self._name or len(self._name.encode("utf-8")) > MAX_NAME_BYTES:
             raise ValueError(f"name: expected 1..{MAX_NAME_BYTES} UTF-8 bytes, got {self._name!r}")
@@ -459,6 +478,8 @@ class TcpEngine:
                             conn.close()
             except ProtocolError as e:
                 rec.finish(XferState.ERR, f"protocol error from {peer.info.name!r}: {e}")
+            except _HandshakeTimeout as e:
+                rec.finish(XferState.ERR, str(e))
             except _NET_ERRORS as e:
                 rec.finish(XferState.ERR, f"connection to {peer.info.name!r} lost: {e!r}")
         self._scopes.pop(rec.handle.xid, None)
@@ -474,20 +495,26 @@ class TcpEngine:
         return await self._connect(peer)
 
     async def _connect(self, peer: _Peer) -> Conn:
-        stream = await trio.open_tcp_stream(peer.host, peer.port)
-        conn = Conn(stream)
+        conn: Conn | None = None
         try:
-            me = self._name.encode("utf-8")
-            await conn.send([encode_header(Msg.HELLO, 0, me)])
-            f = await conn.recv_frame()
-            if f.type is Msg.ERROR:
-                raise ProtocolError(f"HELLO refused: {await _error_text(conn, f)}")
-            if f.type is not Msg.HELLO_ACK or f.name != peer.info.name.encode("utf-8"):
-                raise ProtocolError(
-                    f"expected HELLO_ACK from {peer.info.name!r}, got {f.type.name} {f.name!r}"
-                )
-        except BaseException:
-            conn.close()
+            with trio.fail_after(self._handshake_timeout):
+                conn = Conn(await trio.open_tcp_stream(peer.host, peer.port))
+                await conn.send([encode_header(Msg.HELLO, 0, self._name.encode("utf-8"))])
+                f = await conn.recv_frame()
+                if f.type is Msg.ERROR:
+                    raise ProtocolError(f"HELLO refused: {await _error_text(conn, f)}")
+                if f.type is not Msg.HELLO_ACK or f.name != peer.info.name.encode("utf-8"):
+                    raise ProtocolError(
+                        f"expected HELLO_ACK from {peer.info.name!r}, got {f.type.name} {f.name!r}"
+                    )
+        except BaseException as e:
+            if conn is not None:
+                conn.close()
+            if isinstance(e, trio.TooSlowError):
+                raise _HandshakeTimeout(
+                    f"no HELLO_ACK from {peer.info.name!r} at {peer.host}:{peer.port} "
+                    f"within {self._handshake_timeout} s"
+                ) from None
             raise
         return conn
 
@@ -561,7 +588,11 @@ class TcpEngine:
         conn = Conn(stream)
         xid = 0
         try:
-            f = await conn.recv_frame(boundary=True)
+            f: Frame | None = None
+            with trio.move_on_after(self._handshake_timeout):
+                f = await conn.recv_frame(boundary=True)
+            if f is None:
+                return  # never said HELLO: drop it (the finally clause closes it)
             if f.type is not Msg.HELLO:
                 raise ProtocolError(f"expected HELLO first, got {f.type.name}")
             try:
