@@ -16,7 +16,11 @@ SOAK = Path(__file__).resolve().parent.parent / "bench" / "soak.py"
 SECONDS = 60
 WARMUP = 20
 FD_SPREAD = 10  # descriptors: files the store has open mid-operation, transfer connections
-RSS_SLOPE_MB_PER_MIN = 15.0
+# A minute is mostly warm-up (tiers, caches and allocator pools still filling: 15-25 MB/min here
+# at ~20 requests/s), so this bound only catches a gross leak: keeping each request's KV
+# (hundreds of KB) would grow RSS by well over 100 MB/min. The slope proper is measured by the
+# ten-minute run of bench/soak.py (docs/reliability.md).
+RSS_SLOPE_MB_PER_MIN = 60.0
 
 
 def test_a_minute_of_traffic_with_faults_leaks_nothing(tmp_path: Path) -> None:
