@@ -6,9 +6,10 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import attrs
+import numpy as np
 
 from hicache.core import commands as cmd
 from hicache.core.config import DecodeConfig
@@ -106,6 +107,7 @@ class Cluster:
         self._nodes: dict[str, tuple[int, int]] = {}
         self._progress: Callable[[int], None] | None = None
         self._sequential = False
+        self._keys: Mapping[str, np.ndarray] | None = None
         self._unforgotten: list[tuple[DecodeDriver, str]] = []  # ended, I/O still in flight
 
     def run(
@@ -114,11 +116,15 @@ class Cluster:
         progress: Callable[[int], None] | None = None,
         *,
         sequential: bool = False,
+        keys: Mapping[str, np.ndarray] | None = None,
     ) -> RunResult:
         """Replay `items` (sorted by arrival) to the end; `progress(n)` hears of n more answers.
         `sequential`: each request arrives only once the one before has ended and every node is
-        at rest (its backups and stores done): the decisions of one request at a time."""
+        at rest (its backups and stores done): the decisions of one request at a time.
+        `keys`: each item's sequence page keys, when a caller replays the same items several
+        times (otherwise computed at arrival)."""
         self._progress = progress
+        self._keys = keys
         page = self.setup.decode.page_size
         model = self.setup.model_name
         arrivals = iter(items)
@@ -168,7 +174,8 @@ class Cluster:
             after = next(arrivals, None)
             if after is not None:
                 self.loop.at(max(after.arrival, self.loop.now), self._arrive, after, arrivals, page, model)
-        seq = item.sequence_keys(page, model).tolist()
+        keys = self._keys[item.id] if self._keys is not None else item.sequence_keys(page, model)
+        seq = keys.tolist()
         prompt = seq[: item.prompt_len // page]
         p = self.prefill_router.choose(
             item.session, [n.load for n in self.prefill], lambda i: self.prefill[i].peek(prompt)

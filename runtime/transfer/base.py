@@ -16,8 +16,8 @@ import enum
 import math
 import struct
 import zlib
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Literal, Protocol, Self, runtime_checkable
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal, Protocol, Self, runtime_checkable
 
 import attrs
 import numpy as np
@@ -171,6 +171,28 @@ def page_array(pages: Sequence[int] | np.ndarray, region: MemoryRegion, what: st
             f"of {region.num_pages} pages ({bad.size} out of range)"
         )
     return arr
+
+
+def open_request(
+    engine: str,
+    peers: Mapping[str, Any],
+    book: XferBook,
+    op: str,
+    local: MemoryRegion,
+    local_pages: Sequence[int] | np.ndarray,
+    peer: str,
+    remote_region: str,
+    remote_pages: Sequence[int] | np.ndarray,
+    notif: bytes,
+) -> tuple[Any, np.ndarray, np.ndarray, XferRecord]:
+    """What every engine's `post` does first: find the peer and its region, validate the request
+    and open its record. Returns (the peer entry, local pages, remote pages, the record)."""
+    p = peers.get(peer)
+    if p is None:
+        raise ValueError(f"{engine}: unknown peer {peer!r}; known peers {sorted(peers)}")
+    remote = p.info.region(remote_region)
+    lp, rp = check_request(op, local, local_pages, remote, remote_pages, notif)
+    return p, lp, rp, book.new(op, peer, len(lp), len(lp) * local.page_bytes)
 
 
 def check_request(

@@ -47,7 +47,7 @@ from hicache.runtime.transfer.base import (
     XferHandle,
     XferRecord,
     XferState,
-    check_request,
+    open_request,
     tensor_geometry,
 )
 
@@ -302,12 +302,18 @@ class NixlEngine:
     ) -> XferHandle:
         nursery = self._started()
         reg = self._local(local)
-        p = self._peers.get(peer)
-        if p is None:
-            raise ValueError(f"{self._name}: unknown peer {peer!r}; known peers {sorted(self._peers)}")
-        remote = p.info.region(remote_region)
-        lp, rp = check_request(op, local, local_pages, remote, remote_pages, notif)
-        rec = self._book.new(op, peer, len(lp), len(lp) * local.page_bytes)
+        p, lp, rp, rec = open_request(
+            self._name,
+            self._peers,
+            self._book,
+            op,
+            local,
+            local_pages,
+            peer,
+            remote_region,
+            remote_pages,
+            notif,
+        )
         posted = self._posted[rec.handle.xid] = _Posted()
         args = (
             op,

@@ -66,8 +66,8 @@ from hicache.runtime.transfer.base import (
     XferHandle,
     XferRecord,
     XferState,
-    check_request,
     host_pages,
+    open_request,
 )
 
 if TYPE_CHECKING:
@@ -409,12 +409,18 @@ class TcpEngine:
     ) -> XferHandle:
         nursery = self._started()
         reg = self._local(local)
-        p = self._peers.get(peer)
-        if p is None:
-            raise ValueError(f"{self._name}: unknown peer {peer!r}; known peers {sorted(self._peers)}")
-        remote = p.info.region(remote_region)
-        lp, rp = check_request(op, local, local_pages, remote, remote_pages, notif)
-        rec = self._book.new(op, peer, len(lp), len(lp) * local.page_bytes)
+        p, lp, rp, rec = open_request(
+            self._name,
+            self._peers,
+            self._book,
+            op,
+            local,
+            local_pages,
+            peer,
+            remote_region,
+            remote_pages,
+            notif,
+        )
         scope = trio.CancelScope()
         self._scopes[rec.handle.xid] = scope
         nursery.start_soon(self._run, rec, scope, p, op, reg, lp, remote_region, rp, bytes(notif))
