@@ -56,6 +56,16 @@ from hicache.runtime.model import TinyModel, from_pages, to_pages
 from hicache.runtime.storage.base import StorageBackend
 from hicache.runtime.transfer.base import TransferEngine
 
+# What a broken or misbehaving control connection to prefill raises.
+_CONTROL_ERRORS = (
+    trio.BrokenResourceError,
+    trio.ClosedResourceError,
+    trio.EndOfChannel,
+    EOFError,
+    OSError,
+    protocol.ProtocolError,
+)
+
 
 @attrs.define(eq=False)
 class _Live:
@@ -99,6 +109,7 @@ class DecodeService:
         model_name: str = "tiny",
         tick_interval: float = 0.002,
         transfer_timeout: float = 30.0,
+        fence_timeout: float = 5.0,
         device: str = "cpu",
         faults: FaultSpec | None = None,
         check_pages: bool | None = None,
@@ -117,6 +128,9 @@ class DecodeService:
         self.model_name = model_name
         self.tick_interval = tick_interval
         self.transfer_timeout = transfer_timeout
+        self.fence_timeout = fence_timeout
+        self.abandoned = 0  # transfers given up on without a fence (their requests failed)
+        self._forget_later: set[str] = set()  # answered requests the core keeps for I/O in flight
         self.l1 = KVPool(layout, config.l1_pages, device=device, name="L1")
         self.l2 = KVPool(layout, max(config.l2_pages, 1), name="L2")
         self.region = engine.register("L1", self.l1.bytes_view())
@@ -252,8 +266,10 @@ class DecodeService:
         self._feed(ev.RequestArrived(live.arrival, rid, len(prompt), keys))
         await live.answer.wait()
         del self.live[rid]
-        with contextlib.suppress(CoreError):  # still referenced by I/O in flight: kept, holding nothing
+        try:
             self.core.forget(rid)
+        except CoreError:  # still referenced by I/O in flight: kept, holding nothing, until it ends
+            self._forget_later.add(rid)
         reply = {
             "op": "result",
             "rid": rid,
@@ -292,6 +308,10 @@ class DecodeService:
             await trio.sleep(self.tick_interval)
             self._tick_pending = False
             self._feed(ev.Tick(self._now()))
+            for rid in list(self._forget_later):
+                with contextlib.suppress(CoreError):
+                    self.core.forget(rid)
+                    self._forget_later.discard(rid)
 
     def _spawn(self, fn: Callable[..., Any], *args: Any) -> None:
         assert self._nursery is not None
@@ -408,14 +428,7 @@ class DecodeService:
                     faults.applied(d)
                     await self._cut_prefill(gen)
                     reason = "prefill connection lost before the transfer was confirmed (injected)"
-            except (
-                trio.BrokenResourceError,
-                trio.ClosedResourceError,
-                trio.EndOfChannel,
-                EOFError,
-                OSError,
-                protocol.ProtocolError,
-            ) as exc:
+            except _CONTROL_ERRORS as exc:
                 reason = f"prefill connection lost: {exc or type(exc).__name__}"
         self._sent.pop(c.transfer, None)
         self._kv_replies.pop(c.transfer, None)
@@ -432,6 +445,13 @@ class DecodeService:
                 i, offset = flip_offset(d, len(dst), self.layout.page_bytes)
                 flip_page_byte(self.l1, dst[i], offset)
             reason = self._check_received(dst, reply["digests"], c.start // page)
+        if reason and not arrived.is_set() and not await self._fence(c.transfer, answered=bool(reply)):
+            # Its bytes may still land: the request fails and its pages stay with the transfer.
+            self.abandoned += 1
+            self._feed(ev.KVAbandoned(self._now(), c.req, c.transfer, f"{reason}; not fenced"))
+            self._notifs[c.transfer] = arrived
+            self._spawn(self._settle_abandoned, c.transfer, c.req, arrived)
+            return
         if reason:
             self._feed(ev.KVFailed(self._now(), c.req, c.transfer, reason))
             return
@@ -440,6 +460,51 @@ class DecodeService:
         if not live.gen:
             live.gen.append(int(reply["first_token"]))
         self._feed(ev.KVArrived(self._now(), c.req, c.transfer))
+
+    async def _fence(self, tid: int, *, answered: bool) -> bool:
+        """Make sure no more bytes of transfer `tid` land in L1; False if that cannot be shown.
+
+        The engine fences by itself where it reads every byte (TCP). Otherwise prefill's answer
+        is the fence, since it answers only once its WRITE settled; without one, prefill is asked
+        to cancel the transfer and confirm."""
+        if await self.engine.fence(f"kv:{tid}".encode()):
+            return True
+        return answered or await self._cancel_at_prefill(tid)
+
+    async def _cancel_at_prefill(self, tid: int) -> bool:
+        """Ask prefill to cancel transfer `tid`; True once it confirms that its WRITE settled."""
+        send, receive = trio.open_memory_channel[dict](4)
+        self._kv_replies[tid] = send
+        try:
+            with trio.move_on_after(self.fence_timeout):
+                async with self._prefill_lock:
+                    if self._prefill is None:
+                        await self._connect_prefill()
+                    await protocol.send(self._prefill, {"op": "cancel", "tid": tid})  # type: ignore[arg-type]
+                    self._sent[tid] = self._prefill_gen
+                while True:
+                    msg = await receive.receive()
+                    if msg.get("op") in ("cancelled", "kv"):  # a late answer also comes after settling
+                        return True
+        except _CONTROL_ERRORS:
+            pass
+        finally:
+            self._sent.pop(tid, None)
+            self._kv_replies.pop(tid, None)
+        return False
+
+    async def _settle_abandoned(self, tid: int, req: str, arrived: trio.Event) -> None:
+        """Keep asking prefill to settle an abandoned transfer; its pages are freed once it has
+        (or once its notification shows the WRITE completed)."""
+        wait = self.fence_timeout
+        while not arrived.is_set():
+            if await self._cancel_at_prefill(tid):
+                break
+            with trio.move_on_after(wait):
+                await arrived.wait()
+            wait = min(wait * 2, 60.0)
+        self._notifs.pop(tid, None)
+        self._feed(ev.KVFailed(self._now(), req, tid, "abandoned transfer settled"))
 
     def _check_received(self, dst: list[int], digests: list[str], first: int) -> str:
         """Why the pages a transfer wrote are not what prefill says it sent ("" if they are)."""
@@ -490,8 +555,9 @@ class DecodeService:
             except trio.EndOfChannel:
                 return
             if msg.startswith(b"kv:"):
-                tid = int(msg[3:])
-                self._notifs.setdefault(tid, trio.Event()).set()
+                arrived = self._notifs.get(int(msg[3:]))
+                if arrived is not None:  # else its transfer was given up on and fenced
+                    arrived.set()
 
     # ------------------------------------------------------------------ decoding
 

@@ -6,6 +6,13 @@ A decode node connects, says hello with its engine's `local_info()`, then sends
 prefill node computes (or reuses, for a fallback range of a prompt it just computed) the KV,
 stages the pages, posts one WRITE with the notification `kv:<transfer>`, and answers with the
 first output token and the digests of the pages it sent.
+
+A decode node that gives up on a transfer sends `cancel` (on any of its connections): the
+transfer is cancelled, its WRITE settled (`TransferEngine.settle`: nothing more of it moves),
+and only then is `cancelled` answered, so the decode node may reuse the pages. Every reply, a
+failure included, is likewise sent only after its WRITE settled. A request cancelled before
+it arrived is refused when it does. When a control connection ends, the transfers it asked for
+are cancelled the same way: their decode node stopped waiting for them.
 """
 
 from __future__ import annotations
@@ -14,9 +21,10 @@ import contextlib
 import hashlib
 import math
 import sys
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 
+import attrs
 import numpy as np
 import torch
 import trio
@@ -53,6 +61,18 @@ class _PageAllocator:
             self.changed.notify_all()
 
 
+SETTLE_TIMEOUT_S = 30.0  # how long a reply waits for its WRITE to settle before giving up on it
+CANCELLED_MEMORY = 4096  # cancels of transfers not yet seen, remembered per node
+
+
+@attrs.define(eq=False)
+class _InFlight:
+    """A `kv` request being served: `cancel` cancels `scope` and waits for `ended`."""
+
+    scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
+    ended: trio.Event = attrs.field(factory=trio.Event)
+
+
 class PrefillNode:
     def __init__(
         self,
@@ -76,6 +96,9 @@ class PrefillNode:
         self._compute = trio.CapacityLimiter(1)
         self.computed_tokens = 0
         self.requests = 0
+        self.cancelled = 0
+        self._in_flight: dict[tuple[str, int], _InFlight] = {}
+        self._cancelled_early: deque[tuple[str, int]] = deque(maxlen=CANCELLED_MEMORY)
 
     async def serve(
         self, port: int, *, host: str = "127.0.0.1", task_status=trio.TASK_STATUS_IGNORED
@@ -93,14 +116,21 @@ class PrefillNode:
             peer = await self.engine.add_peer(bytes.fromhex(protocol.field(hello, "info", str)))
             await protocol.send(stream, {"op": "hello", "info": self.engine.local_info().hex()})
             async with trio.open_nursery() as nursery:
-                while True:
-                    try:
-                        msg, _ = await reader.receive()
-                    except EOFError:
-                        break
-                    if msg["op"] != "kv":
-                        raise protocol.ProtocolError(f"unknown message {msg['op']!r}")
-                    nursery.start_soon(self._serve_kv, stream, send_lock, peer, msg)
+                try:
+                    while True:
+                        try:
+                            msg, _ = await reader.receive()
+                        except EOFError:
+                            break
+                        if msg["op"] == "kv":
+                            nursery.start_soon(self._serve_kv, stream, send_lock, peer, msg)
+                        elif msg["op"] == "cancel":
+                            nursery.start_soon(self._cancel, stream, send_lock, peer, msg)
+                        else:
+                            raise protocol.ProtocolError(f"unknown message {msg['op']!r}")
+                finally:
+                    # Nobody waits for these answers any more: stop the transfers (they settle).
+                    nursery.cancel_scope.cancel()
         except (protocol.ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError):
             pass  # a broken or misbehaving peer: drop the connection, keep serving others
         except Exception as exc:  # e.g. the transfer engine refused the peer: say why, keep serving
@@ -108,8 +138,35 @@ class PrefillNode:
         finally:
             await stream.aclose()
 
+    async def _cancel(self, stream: trio.SocketStream, lock: trio.Lock, peer: str, msg: dict) -> None:
+        tid = protocol.field(msg, "tid", int)
+        serving = self._in_flight.get((peer, tid))
+        if serving is None:
+            self._cancelled_early.append((peer, tid))
+        else:
+            serving.scope.cancel()
+            await serving.ended.wait()
+        self.cancelled += 1
+        async with lock:
+            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                await protocol.send(stream, {"op": "cancelled", "tid": tid})
+
     async def _serve_kv(self, stream: trio.SocketStream, lock: trio.Lock, peer: str, msg: dict) -> None:
         tid = protocol.field(msg, "tid", int)
+        key = (peer, tid)
+        if key in self._cancelled_early or key in self._in_flight:
+            return  # cancelled before it arrived (or a duplicate): the decode node waits for neither
+        serving = self._in_flight[key] = _InFlight()
+        try:
+            with serving.scope:
+                await self._answer_kv(stream, lock, peer, tid, msg)
+        finally:
+            del self._in_flight[key]
+            serving.ended.set()
+
+    async def _answer_kv(
+        self, stream: trio.SocketStream, lock: trio.Lock, peer: str, tid: int, msg: dict
+    ) -> None:
         reply: dict = {"op": "kv", "tid": tid}
         try:
             tokens = protocol.int_list(msg, "tokens", high=self.model.config.vocab)
@@ -151,6 +208,7 @@ class PrefillNode:
     ) -> list[str]:
         pages = to_pages(kv, self.layout.page_size)[first:last]
         slots = await self.pages.take(len(dst))
+        settled = True
         try:
             if slots:
                 self.staging.data[torch.tensor(slots)] = pages.to(self.staging.data.dtype)
@@ -161,7 +219,14 @@ class PrefillNode:
                 if state is not XferState.DONE:
                     raise RuntimeError(f"transfer {state}: {self.engine.reason(handle)}")
             finally:
-                self.engine.release(handle)
+                # Also when cancelled: the answer (or the `cancelled`) waits until nothing moves.
+                with trio.CancelScope(shield=True), trio.move_on_after(SETTLE_TIMEOUT_S) as waited:
+                    await self.engine.settle(handle)
+                settled = not waited.cancelled_caught
+                if not settled:
+                    print(f"prefill: {notif!r} did not settle in {SETTLE_TIMEOUT_S} s", file=sys.stderr)
             return digests
         finally:
-            await self.pages.give(slots)
+            if settled:  # else the WRITE may still read them: keep them out of use
+                with trio.CancelScope(shield=True):
+                    await self.pages.give(slots)

@@ -2,7 +2,8 @@
 
 Random interleavings of arrivals (multi-turn: shared prefixes, earlier conversations' prompt +
 output, random suffixes), ticks, storage answers (full and capped), prefetch progress and ends
-(complete, partial, zero), load-backs (ok and failed), prefill transfers (arrived, failed),
+(complete, partial, zero), load-backs (ok and failed), prefill transfers (arrived, failed,
+abandoned while still writing),
 backups, stores, timers, decode growth (retraction under pressure), finishes, aborts at any
 phase, and a shared L3 that other nodes fill and evict. Tiny pools, every policy combination.
 
@@ -108,6 +109,7 @@ class DecodeNodeMachine(RuleBasedStateMachine):
         self.rounds = 0  # `advance` rounds so far (every third completes I/O newest first)
         self.ids = itertools.count()
         self.progress: dict[int, int] = {}  # prefetch op -> pages written to L2 and reported
+        self.abandoned: set[int] = set()  # transfers given up on, still writing until they end
         self.locked: dict[str, tuple[int, dict[int, object]]] = {}  # rid -> (admission, locked L1 KV)
         self.steady = True  # every step so far passed its checks (teardown then checks the end)
         if cfg.storage and data.draw(st.booleans(), label="warm L3"):
@@ -402,6 +404,21 @@ class DecodeNodeMachine(RuleBasedStateMachine):
         self._begin()
         self._kv_fail(_pick(data, self.world.transfers, "tid"))
 
+    @precondition(lambda self: set(self.world.transfers) - self.abandoned)
+    @rule(data=st.data())
+    def kv_abandon(self, data: st.DataObject) -> None:
+        """The driver gives up on a transfer it cannot stop: it keeps writing its slots, and
+        its real outcome (arrived or failed) comes later."""
+        self._begin()
+        w = self.world
+        tid = _pick(data, set(w.transfers) - self.abandoned, "tid")
+        c = w.transfers[tid]
+        for s in c.dst_slots:
+            w.l1[s] = ("abandoned transfer", tid)
+        self.abandoned.add(tid)
+        w.feed(ev.KVAbandoned(w.now, c.req, tid, "no fence"))
+        assert self.core.requests[c.req].state.terminal, f"{c.req} outlived its abandoned transfer"
+
     # ------------------------------------------------------------------ tree I/O
 
     @precondition(lambda self: self.world.backups)
@@ -497,7 +514,8 @@ class DecodeNodeMachine(RuleBasedStateMachine):
             r = self.core.requests[rid]
             assert r.state.terminal and OUTCOME[r.state] == outcome, (rid, r.state, outcome)
             if outcome == "failed":
-                assert "transfer failed" in reason or "needs" in reason, f"{rid} failed: {reason}"
+                allowed = ("transfer failed", "transfer abandoned", "needs")
+                assert any(a in reason for a in allowed), f"{rid} failed: {reason}"
         for rid, r in self.core.requests.items():
             if r.state.terminal:
                 assert rid in w.outcomes, f"{rid} is {r.state.value} but was never answered"

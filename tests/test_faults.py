@@ -15,9 +15,9 @@ from typing import Any
 import attrs
 import numpy as np
 import pytest
-import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from node_pair import PAGE, assert_nothing_held, node_pair, prompt, turn
 
 from hicache.core.config import DecodeConfig
 from hicache.faults import APPLIES, OPS, Decision, FaultSpec, FaultSpecError, core_audit, decide, uniforms
@@ -25,7 +25,6 @@ from hicache.runtime.client import DecodeClient
 from hicache.runtime.decode_node import DecodeService
 from hicache.runtime.model import TinyConfig, TinyModel
 from hicache.runtime.nodes import layout_for
-from hicache.runtime.prefill_node import PrefillNode
 from hicache.runtime.storage.file_store import FileStore
 from hicache.runtime.storage.memory_store import MemoryStore
 from hicache.runtime.transfer.tcp import TcpEngine
@@ -374,65 +373,13 @@ def test_any_mix_of_faults_keeps_every_promise_and_runs_the_same_twice(data: dic
 
 # ============================================================================ the runtime
 
-PAGE = 16
-
-
 @asynccontextmanager
 async def runtime(
     tmp_path: Path, faults: dict[str, Any] | None, *, retries: int = 2, storage: bool = True
 ) -> AsyncIterator[tuple[DecodeService, DecodeClient, KVLedger]]:
     """A prefill node and a decode service in this process, over the TCP engine."""
-    model = TinyModel(TinyConfig())
-    layout = layout_for(model.config, PAGE)
-    config = DecodeConfig(
-        l1_pages=64,
-        l2_pages=64,
-        page_size=PAGE,
-        storage=storage,
-        prefetch_threshold_tokens=PAGE,
-        decode_reserve_tokens=2 * PAGE,
-        transfer_retries=retries,
-    )
-    spec = FaultSpec.parse(faults) if faults is not None else None
-    async with (
-        TcpEngine(name="prefill") as p_engine,
-        TcpEngine(name="decode") as d_engine,
-        trio.open_nursery() as nursery,
-    ):
-        prefill = PrefillNode(model, layout, p_engine, staging_pages=64)
-        listeners = await nursery.start(prefill.serve, 0)
-        store = FileStore(tmp_path / "l3", layout)
-        service = DecodeService(config, model, layout, store, d_engine, faults=spec)
-        prefill_at = ("127.0.0.1", listeners[0].socket.getsockname()[1])
-        port = await nursery.start(service.run, 0, prefill_at)
-        client = await DecodeClient.connect("127.0.0.1", port)
-        try:
-            yield service, client, KVLedger(model, PAGE)
-        finally:
-            await client.aclose()
-            nursery.cancel_scope.cancel()
-
-
-async def turn(client: DecodeClient, ledger: KVLedger, rid: str, prompt: list[int]) -> dict[str, Any]:
-    """One request, checked bit-exactly when it finishes; the node is at rest afterwards."""
-    with trio.fail_after(60):
-        reply, kv = await client.generate(rid, prompt, 3, verify=True)
-        await client.idle()
-    if reply["outcome"] == "finished":
-        assert ledger.check(prompt, 3, reply, kv) == []
-    return reply
-
-
-async def assert_nothing_held(service: DecodeService, client: DecodeClient) -> None:
-    await client.idle()
-    audit = service.audit()
-    assert audit["check"] == "ok"
-    for key in ("l1_leaked", "l2_leaked", "locks", "pins", "live", "reserved"):
-        assert audit[key] == 0, audit
-
-
-def prompt(seed: int, n: int = 96) -> list[int]:
-    return np.random.default_rng(seed).integers(0, 512, n).tolist()
+    async with node_pair(tmp_path, faults, retries=retries, storage=storage) as pair:
+        yield pair.service, pair.client, pair.ledger
 
 
 @pytest.mark.parametrize("kind", [None, "error", "corrupt"])

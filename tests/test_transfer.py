@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 import torch
 import trio
+from engine_kinds import ENGINES
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from transfer_peer import digest, initial_pages
@@ -41,20 +42,6 @@ from hicache.runtime.transfer import (
 )
 from hicache.runtime.transfer.tcp import HEADER, MAGIC, VERSION, Msg, encode_header
 
-
-def _nixl_missing() -> str | None:
-    try:
-        import nixl._api  # noqa: F401
-    except Exception as e:  # noqa: BLE001 - any import failure means: no NIXL here
-        return f"nixl is not importable ({e!r}); install it with pip install nixl==1.5.1"
-    return None
-
-
-NIXL_MISSING = _nixl_missing()
-ENGINES = [
-    "tcp",
-    pytest.param("nixl", marks=pytest.mark.skipif(NIXL_MISSING is not None, reason=str(NIXL_MISSING))),
-]
 PEER_SCRIPT = Path(__file__).with_name("transfer_peer.py")
 PAGES, PAGE_BYTES = 16, 4096
 GUARD_S = 10  # a guard against hangs, never a speed assertion

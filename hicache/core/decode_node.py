@@ -50,6 +50,7 @@ class NodeStats:
     load_batches: int = 0
     max_loads_in_flight: int = 0
     transfer_retries: int = 0
+    transfers_abandoned: int = 0
 
 
 @attrs.define(slots=True, eq=False)
@@ -105,6 +106,7 @@ class _Transfer:
     fallback: bool
     orphan: bool = False
     claims: list[int] = attrs.Factory(list)
+    abandoned: bool = False  # the driver could not stop it: only its outcome frees `claims`
 
 
 class DecodeNodeCore:
@@ -150,6 +152,7 @@ class DecodeNodeCore:
             ev.StoreDone: self._on_store_done,
             ev.KVArrived: self._on_kv_arrived,
             ev.KVFailed: self._on_kv_failed,
+            ev.KVAbandoned: self._on_kv_abandoned,
             ev.TimerFired: self._on_timer,
             ev.Decoded: self._on_decoded,
             ev.Finished: self._on_finished,
@@ -643,7 +646,22 @@ class DecodeNodeCore:
             f"prefill transfer failed after {t.attempt + 1} attempts: {e.reason}",
         )
 
-    def _transfer(self, e: ev.KVArrived | ev.KVFailed) -> _Transfer:
+    def _on_kv_abandoned(self, e: ev.KVAbandoned) -> None:
+        r = self._req(e.req, e)
+        t = self._transfer(e)
+        if t.orphan:  # the request ended already; the claims wait for the transfer's outcome
+            self._move(r, "KVAbandoned")
+            if t.abandoned:
+                raise CoreError(f"KVAbandoned: transfer #{t.tid} of {r.id!r} was abandoned already")
+            t.abandoned = True
+            return
+        t.abandoned = True
+        self.stats.transfers_abandoned += 1
+        # No retry: a retry would write the same slots, which the abandoned transfer may still
+        # overwrite. Ending the request orphans the transfer, its slots claimed until it ends.
+        self._end(r, "transfer_failed", "failed", f"prefill transfer abandoned: {e.reason}")
+
+    def _transfer(self, e: ev.KVArrived | ev.KVFailed | ev.KVAbandoned) -> _Transfer:
         t = self._transfers.get(e.transfer)
         if t is None or t.req != e.req:
             raise CoreError(

@@ -100,6 +100,18 @@ class KVFailed:
 
 
 @attrs.frozen(slots=True)
+class KVAbandoned:
+    """The driver gave up on a `RequestKV` transfer that it could not stop: its bytes may still
+    land. The request fails; the transfer's slots stay claimed until its `KVArrived` or
+    `KVFailed` says nothing more will be written, so no other request can be handed them."""
+
+    at: float
+    req: str
+    transfer: int
+    reason: str = "transfer abandoned"
+
+
+@attrs.frozen(slots=True)
 class TimerFired:
     at: float
     timer: int
@@ -149,6 +161,7 @@ Event = (
     | StoreDone
     | KVArrived
     | KVFailed
+    | KVAbandoned
     | TimerFired
     | Decoded
     | Finished

@@ -30,7 +30,7 @@ class State(enum.Enum):
 TERMINAL = frozenset({State.FINISHED, State.ABORTED, State.FAILED})
 
 # Completions that can arrive after a request ended (I/O started before it did): absorbed.
-_LATE = {"KVArrived": None, "KVFailed": None, "AbortRequested": None, "Finished": None}
+_LATE = {"KVArrived": None, "KVFailed": None, "KVAbandoned": None, "AbortRequested": None, "Finished": None}
 
 TRANSITIONS: dict[State, dict[str, State]] = {
     State.QUEUED: {

@@ -442,6 +442,12 @@ class TransferEngine(Protocol):
     transfer is still in flight at the deadline (the handle stays valid: wait again or release
     it). A notification is delivered to the *remote* side after the transfer's data (WRITE: the
     pages are written there; READ: the initiator has them); an empty `notif` sends none.
+
+    Giving up on a WRITE takes a fence, or its late bytes could land in pages handed on to
+    something else: the initiator's `settle(handle)` returns once it moves nothing more of it,
+    and the target's `fence(notif)` returns True once no more of a WRITE carrying `notif` can
+    land, or False if the target cannot stop writes by itself (one-sided RDMA: only the
+    initiator's `settle` stops them).
     """
 
     @property
@@ -483,3 +489,7 @@ class TransferEngine(Protocol):
     def notifs(self) -> list[tuple[str, bytes]]: ...
 
     def release(self, handle: XferHandle) -> None: ...
+
+    async def settle(self, handle: XferHandle) -> None: ...
+
+    async def fence(self, notif: bytes) -> bool: ...

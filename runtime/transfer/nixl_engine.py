@@ -90,6 +90,7 @@ class _Posted:
     handle: Any = None
     polling: bool = False
     abandoned: bool = False
+    gone: trio.Event = attrs.field(factory=trio.Event)  # set once NIXL can no longer move its bytes
 
 
 class NixlEngine:
@@ -143,7 +144,7 @@ class NixlEngine:
         self._peers: dict[str, _Peer] = {}
         self._book = XferBook(name)
         self._posted: dict[int, _Posted] = {}
-        self._to_release: list[Any] = []
+        self._to_release: list[tuple[Any, trio.Event]] = []
         self._notifs = NotifQueue()
         self._wake = trio.Event()
         self._stack: contextlib.AsyncExitStack | None = None
@@ -193,7 +194,7 @@ class NixlEngine:
         steps += [
             ("release transfer", p.handle.release) for p in self._posted.values() if p.handle is not None
         ]
-        steps += [("release transfer", h.release) for h in self._to_release]
+        steps += [("release transfer", h.release) for h, _ in self._to_release]
         for peer_name, peer in self._peers.items():
             steps += [("release remote descriptors", h.release) for h in peer.prepped.values()]
             steps.append(("remove peer", lambda n=peer_name: agent.remove_remote_agent(n)))
@@ -205,6 +206,10 @@ class NixlEngine:
                 step()
             except Exception as e:  # noqa: BLE001 - teardown keeps going
                 log.warning("%s: %s failed: %r", self._name, what, e)
+        for p in self._posted.values():
+            p.gone.set()
+        for _, gone in self._to_release:
+            gone.set()
         self._posted.clear()
         self._to_release.clear()
         self._peers.clear()
@@ -371,9 +376,13 @@ class NixlEngine:
     def _retire(self, xid: int) -> None:
         """The NIXL request is finished (or dead): its handle may go once nobody needs it."""
         posted = self._posted.pop(xid, None)
-        if posted is not None and posted.handle is not None:
-            self._to_release.append(posted.handle)
+        if posted is None:
+            return
+        if posted.handle is not None:
+            self._to_release.append((posted.handle, posted.gone))
             posted.handle = None
+        else:
+            posted.gone.set()
 
     async def _poll(self) -> None:
         """Progress the agent: collect notifications, finish transfers in flight, release handles."""
@@ -411,11 +420,12 @@ class NixlEngine:
                     rec.finish(XferState(status), None if status == "DONE" else "NIXL reported ERR")
                 self._retire(xid)
         while self._to_release:
-            handle = self._to_release.pop()
+            handle, gone = self._to_release.pop()
             try:
                 handle.release()
             except Exception as e:  # noqa: BLE001 - an aborted transfer may refuse; nothing to do
                 log.warning("%s: releasing a transfer failed: %r", self._name, e)
+            gone.set()
         return busy
 
     def state(self, handle: XferHandle) -> XferState:
@@ -443,6 +453,22 @@ class NixlEngine:
             self._retire(handle.xid)
             self._wake.set()
         # Otherwise the request is not created yet: its driver retires it after the post.
+
+    async def settle(self, handle: XferHandle) -> None:
+        """Release `handle` and return once NIXL has released the request, i.e. aborted it if it
+        was still in flight: the initiator's side of a fence, since a target cannot refuse
+        one-sided writes."""
+        posted = self._posted.get(handle.xid)
+        self.release(handle)
+        if posted is not None:
+            await posted.gone.wait()
+
+    async def fence(self, notif: bytes) -> bool:
+        """False: a target cannot stop one-sided writes; the initiator must `settle` them."""
+        if not notif:
+            raise ValueError("fence: expected the non-empty notification the transfer carries")
+        await trio.lowlevel.checkpoint()
+        return False
 
     async def next_notif(self) -> tuple[str, bytes]:
         return await self._notifs.next()

@@ -37,6 +37,13 @@ Failures. A connection that breaks (the peer died, reset, closed early) turns th
 destination pages may already hold part of the new data, so a receiver must only use pages a
 notification (or an initiator's `DONE`) vouches for. A peer that stays connected but silent keeps
 the transfer in `PROC`; `wait(timeout=...)` bounds that, and `release` cancels it.
+
+Fences. A target that gives up on a transfer calls `fence(notif)` with the notification the
+WRITE carries: a WRITE of it still landing is cut off between two reads of its pages (ERROR,
+connection closed), one that arrives later is refused before any page byte is read, and once
+`fence` returns not another byte of it reaches the region. Only then may the target hand its
+pages to anything else. Fenced notifications are remembered for the engine's lifetime (one
+entry per transfer given up on).
 """
 
 from __future__ import annotations
@@ -237,6 +244,14 @@ class _Region:
 
 
 @attrs.define(eq=False)
+class _Landing:
+    """A WRITE whose pages are being received: `fence` cancels `scope` and waits for `left`."""
+
+    scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
+    left: trio.Event = attrs.field(factory=trio.Event)
+
+
+@attrs.define(eq=False)
 class _Peer:
     info: PeerInfo
     host: str
@@ -286,7 +301,10 @@ class TcpEngine:
         self._peers: dict[str, _Peer] = {}
         self._book = XferBook(self._name)
         self._scopes: dict[int, trio.CancelScope] = {}
+        self._runs: dict[int, trio.Event] = {}  # xid -> set when its task has stopped sending
         self._notifs = NotifQueue()
+        self._fenced: set[bytes] = set()
+        self._landing: dict[bytes, _Landing] = {}
         self._stack: contextlib.AsyncExitStack | None = None
         self._nursery: trio.Nursery | None = None
         self._closed = False
@@ -423,6 +441,7 @@ class TcpEngine:
         )
         scope = trio.CancelScope()
         self._scopes[rec.handle.xid] = scope
+        self._runs[rec.handle.xid] = trio.Event()
         nursery.start_soon(self._run, rec, scope, p, op, reg, lp, remote_region, rp, bytes(notif))
         await trio.lowlevel.checkpoint()
         return rec.handle
@@ -446,6 +465,28 @@ class TcpEngine:
             scope.cancel()
         rec.finish(XferState.ERR, "released while in flight")
 
+    async def settle(self, handle: XferHandle) -> None:
+        """Release `handle` and return once this side sends nothing more of it (its connection is
+        closed if it was cut short). Bytes already sent may still be read by the target: a
+        target that gives up on a transfer fences it (`fence`)."""
+        done = self._runs.get(handle.xid)
+        self.release(handle)
+        if done is not None:
+            await done.wait()
+
+    async def fence(self, notif: bytes) -> bool:
+        """Stop every WRITE carrying `notif` from writing here; True once none can (always: the
+        target reads every byte itself, so it can refuse them)."""
+        if not notif:
+            raise ValueError("fence: expected the non-empty notification the transfer carries")
+        notif = bytes(notif)
+        self._fenced.add(notif)
+        landing = self._landing.get(notif)
+        if landing is not None:
+            landing.scope.cancel()
+            await landing.left.wait()
+        return True
+
     async def next_notif(self) -> tuple[str, bytes]:
         return await self._notifs.next()
 
@@ -466,30 +507,33 @@ class TcpEngine:
         rp: np.ndarray,
         notif: bytes,
     ) -> None:
-        with scope:
-            try:
-                async with peer.slots:
-                    conn = await self._checkout(peer)
-                    reusable = False
-                    try:
-                        if op == "WRITE":
-                            await self._write(conn, rec, reg, lp, remote_region, rp, notif)
-                        else:
-                            await self._read(conn, rec, reg, lp, remote_region, rp, notif)
-                        reusable = rec.state is XferState.DONE
-                    finally:
-                        if reusable and not self._closed:
-                            peer.idle.append(conn)
-                        else:
-                            conn.close()
-            except ProtocolError as e:
-                rec.finish(XferState.ERR, f"protocol error from {peer.info.name!r}: {e}")
-            except _HandshakeTimeout as e:
-                rec.finish(XferState.ERR, str(e))
-            except _NET_ERRORS as e:
-                rec.finish(XferState.ERR, f"connection to {peer.info.name!r} lost: {e!r}")
-        self._scopes.pop(rec.handle.xid, None)
-        rec.finish(XferState.ERR, "cancelled")
+        try:
+            with scope:
+                try:
+                    async with peer.slots:
+                        conn = await self._checkout(peer)
+                        reusable = False
+                        try:
+                            if op == "WRITE":
+                                await self._write(conn, rec, reg, lp, remote_region, rp, notif)
+                            else:
+                                await self._read(conn, rec, reg, lp, remote_region, rp, notif)
+                            reusable = rec.state is XferState.DONE
+                        finally:
+                            if reusable and not self._closed:
+                                peer.idle.append(conn)
+                            else:
+                                conn.close()
+                except ProtocolError as e:
+                    rec.finish(XferState.ERR, f"protocol error from {peer.info.name!r}: {e}")
+                except _HandshakeTimeout as e:
+                    rec.finish(XferState.ERR, str(e))
+                except _NET_ERRORS as e:
+                    rec.finish(XferState.ERR, f"connection to {peer.info.name!r} lost: {e!r}")
+            self._scopes.pop(rec.handle.xid, None)
+            rec.finish(XferState.ERR, "cancelled")
+        finally:
+            self._runs.pop(rec.handle.xid).set()
 
     async def _checkout(self, peer: _Peer) -> Conn:
         """An idle connection to `peer` that is still open, else a new one."""
@@ -653,8 +697,22 @@ class TcpEngine:
 
     async def _serve_write(self, conn: Conn, peer: str, f: Frame) -> None:
         reg, idx, notif = await self._request(conn, f)
-        await conn.recv_into(reg.views(idx))
-        if notif:
+        if not notif:
+            await conn.recv_into(reg.views(idx))
+        else:
+            if notif in self._fenced:
+                raise ProtocolError(f"WRITE {notif[:64]!r}: fenced (the target gave up on this transfer)")
+            if notif in self._landing:
+                raise ProtocolError(f"WRITE {notif[:64]!r}: a WRITE with this notification is landing")
+            landing = self._landing[notif] = _Landing()
+            try:
+                with landing.scope:
+                    await conn.recv_into(reg.views(idx))
+            finally:
+                del self._landing[notif]
+                landing.left.set()
+            if landing.scope.cancelled_caught:
+                raise ProtocolError(f"WRITE {notif[:64]!r}: fenced while landing")
             self._notifs.put(peer, notif)
         await conn.send([encode_header(Msg.ACK, f.xid)])
 
