@@ -143,6 +143,14 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--engine", choices=["nixl", "tcp"], default="nixl", help="the P->D transfer engine")
         p.add_argument("--page-size", type=int, default=16, help="tokens per page")
         p.add_argument("--model-seed", type=int, default=0, help="the small model's weights")
+        p.add_argument(
+            "--mmap-threshold",
+            type=int,
+            default=128 * 1024,
+            metavar="BYTES",
+            help="fix glibc's mmap threshold so freed tensors go back to the system and RSS stays flat "
+            "(default 131072; 0 leaves glibc's adaptive threshold)",
+        )
     prefill.add_argument("--staging-pages", type=int, default=1024)
     decode.add_argument(
         "--prefill", required=True, metavar="HOST:PORT", help="the prefill node's control port"
@@ -351,7 +359,7 @@ def run_node(args: argparse.Namespace) -> int:
     model = TinyConfig(seed=args.model_seed)
     if args.node_command == "prefill":
         opts = nodes.PrefillOptions(
-            args.port, args.host, args.engine, args.page_size, model, args.staging_pages
+            args.port, args.host, args.engine, args.page_size, model, args.staging_pages, args.mmap_threshold
         )
         return nodes.main_prefill(opts)
     host, _, port = args.prefill.rpartition(":")
@@ -367,6 +375,7 @@ def run_node(args: argparse.Namespace) -> int:
         storage_dir=args.storage_dir,
         tick_interval=args.tick_interval,
         faults=FaultSpec.from_arg(args.faults) if args.faults else None,
+        mmap_threshold=args.mmap_threshold,
     )
     return nodes.main_decode(opts)
 

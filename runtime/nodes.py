@@ -22,6 +22,7 @@ from hicache.faults import FaultSpec
 from hicache.runtime.decode_node import DecodeService
 from hicache.runtime.faults import FaultyStore
 from hicache.runtime.kv_layout import KVLayout
+from hicache.runtime.malloc_tuning import DEFAULT_MMAP_THRESHOLD, pin_mmap_threshold
 from hicache.runtime.model import TinyConfig, TinyModel
 from hicache.runtime.prefill_node import PrefillNode
 from hicache.runtime.storage.file_store import FileStore
@@ -54,6 +55,7 @@ class PrefillOptions:
     page_size: int = 16
     model: TinyConfig = TinyConfig()
     staging_pages: int = 1024
+    mmap_threshold: int = DEFAULT_MMAP_THRESHOLD  # 0: leave glibc's adaptive threshold
 
 
 @attrs.frozen
@@ -68,6 +70,7 @@ class DecodeOptions:
     model_name: str = "tiny"
     tick_interval: float = 0.002
     faults: FaultSpec | None = None  # injected into the node's own operations
+    mmap_threshold: int = DEFAULT_MMAP_THRESHOLD  # 0: leave glibc's adaptive threshold
 
 
 def _ready(info: dict) -> None:
@@ -122,11 +125,13 @@ async def run_decode(opts: DecodeOptions) -> None:
 
 
 def main_prefill(opts: PrefillOptions) -> int:
+    pin_mmap_threshold(opts.mmap_threshold)
     trio.run(run_prefill, opts)
     return 0
 
 
 def main_decode(opts: DecodeOptions) -> int:
+    pin_mmap_threshold(opts.mmap_threshold)
     trio.run(run_decode, opts)
     sys.stdout.flush()
     return 0
