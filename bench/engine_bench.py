@@ -4,8 +4,9 @@ Usage: python bench/engine_bench.py [--quick] [--repeat 3] [--json PATH]
                                     [--procs 1000] [--horizon 1010] [--customers 200000] [--seed 1]
 
 Each model is written the way its engine is meant to be used -- SimPy with generator processes and
-a `Resource`, ours with callbacks scheduled by `at`/`after` -- and both engines see the same random
-numbers in the same order, so they must produce the same results, which the script checks:
+a `Resource`, ours with callbacks scheduled by `call_after` (the handle-free call the simulator uses
+wherever it never cancels) -- and both engines see the same random numbers in the same order, so
+they must produce the same results, which the script checks:
 
 1. Timeouts: `--procs` processes each wait Exp(1) timeouts in a loop until `--horizon`.
 2. M/M/8 at rho = 0.9 (lambda = 7.2, mu = 1): `--customers` customers; the mean wait in queue of
@@ -16,6 +17,13 @@ by SimPy (one `Environment.step()`; the run loop below is SimPy's own `run` plus
 and CPU seconds cover building the model and running it; the M/M/8 arrival and service times are
 drawn before timing. After one small untimed pass through everything, repetitions alternate the
 engines so background load hits both alike; the best of `--repeat` is reported.
+
+Model 1 also times two references that are no engine at all, to show where the ceiling of an event
+loop written in Python lies: the "pure-Python heap floor" runs the same timeouts as one inlined loop
+over a heap of float times (pop the earliest, draw, push the next: no callbacks, no tie order, no
+cancellation, no map from a time to what is due then); the "callback floor" adds only what a
+callback API costs -- each timeout is a Python function that calls a scheduling function, which
+pushes its time. Both must fire the same timeouts from the same draws.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
+from heapq import heappop, heappush
 from pathlib import Path
 from typing import Any
 
@@ -142,7 +151,7 @@ def timeouts_ours(procs: int, horizon: float, seed: int) -> tuple[int, int, Any]
     """Each process is a callback that re-schedules itself an Exp(1) delay later."""
     draw = exp_stream(seed, 1.0).__next__
     loop = EventLoop()
-    after = loop.after
+    after = loop.call_after
 
     def wake() -> None:
         after(draw(), wake)
@@ -151,6 +160,50 @@ def timeouts_ours(procs: int, horizon: float, seed: int) -> tuple[int, int, Any]
         after(draw(), wake)
     loop.run(until=horizon)
     return loop.events_run, loop.events_run, draw()
+
+
+def timeouts_floor(procs: int, horizon: float, seed: int) -> tuple[int, int, Any]:
+    """Model 1 with no engine: one loop pops the earliest time and pushes the next, as floats."""
+    draw = exp_stream(seed, 1.0).__next__
+    heap: list[float] = []
+    for _ in range(procs):
+        heappush(heap, draw())
+    pop, push = heappop, heappush
+    fired = 0
+    while True:
+        if heap[0] > horizon:
+            break
+        fired += 1
+        push(heap, pop(heap) + draw())
+    return fired, fired, draw()
+
+
+def timeouts_callback_floor(procs: int, horizon: float, seed: int) -> tuple[int, int, Any]:
+    """The heap floor with a callback per timeout that calls a scheduling function (which only
+    pushes the time: it keeps no callback, so this is a bound, not an engine)."""
+    draw = exp_stream(seed, 1.0).__next__
+    heap: list[float] = []
+    now = 0.0
+
+    def after(delay: float, fn: Callable[..., Any], *args: Any) -> None:
+        heappush(heap, now + delay)
+
+    def wake() -> None:
+        after(draw(), wake)
+
+    for _ in range(procs):
+        after(draw(), wake)
+    pop = heappop
+    fired = 0
+    while True:
+        if not heap:
+            break
+        now = pop(heap)
+        if now > horizon:
+            break
+        fired += 1
+        wake()
+    return fired, fired, draw()
 
 
 def timeouts_simpy(procs: int, horizon: float, seed: int) -> tuple[int, int, Any]:
@@ -177,7 +230,7 @@ def mm_ours(gaps: list[float], services: list[float]) -> tuple[int, int, Any]:
     """Arrivals and departures are callbacks; a deque holds the waiting customers (FIFO)."""
     customers = len(gaps)
     loop = EventLoop()
-    after = loop.after
+    after = loop.call_after
     queue: deque[tuple[int, float]] = deque()
     waits = [0.0] * customers
     free = SERVERS
@@ -333,18 +386,31 @@ def main(argv: list[str] | None = None) -> int:
     # One small untimed pass through every model and engine, so no timed run pays first-call costs.
     timeouts_ours(100, 10.0, args.seed)
     timeouts_simpy(100, 10.0, args.seed)
+    timeouts_floor(100, 10.0, args.seed)
+    timeouts_callback_floor(100, 10.0, args.seed)
     mm_ours(*mm_arrivals(1_000, args.seed))
     mm_simpy(*mm_arrivals(1_000, args.seed))
 
     # Model 1
     runs: dict[str, list[Run]] = {engine: [] for engine in ENGINES}
     models = {"ours": timeouts_ours, "simpy": timeouts_simpy}
+    floors = {
+        "pure_python_heap_floor": ("pure-Python heap floor (no engine, one inlined loop)", timeouts_floor),
+        "callback_floor": ("callback floor (the heap floor + a callback per event)", timeouts_callback_floor),
+    }
+    floor_runs: dict[str, list[Run]] = {name: [] for name in floors}
     for rep in range(repeat):
         for engine in ENGINES if rep % 2 == 0 else ENGINES[::-1]:
             runs[engine].append(timed(lambda m=models[engine]: m(procs, horizon, args.seed)))
+        for name, (_, model) in floors.items():
+            floor_runs[name].append(timed(lambda m=model: m(procs, horizon, args.seed)))
     first = {engine: runs[engine][0] for engine in ENGINES}
     if first["ours"].result != first["simpy"].result:
         raise SystemExit("model 1: the engines consumed different numbers of draws")
+    for name, (label, _) in floors.items():
+        ref = floor_runs[name][0]
+        if ref.result != first["ours"].result or ref.work != first["ours"].work:
+            raise SystemExit(f"model 1: the {label} fired {ref.work:,} timeouts, ours {first['ours'].work:,}")
     limit = 2 * (first["ours"].events + procs) + DRAW_CHUNK
     drawn = draws_before(args.seed, 1.0, first["ours"].result, limit)
     fired = drawn - procs  # one draw per process at the start, then one per timeout fired
@@ -355,12 +421,30 @@ def main(argv: list[str] | None = None) -> int:
         )
     timeouts = model_figures(runs)
     timeouts["config"] = {"procs": procs, "horizon": horizon, "mean_delay": 1.0}
+    for name in floors:
+        floor = engine_figures(floor_runs[name])
+        floor["ratio_events_per_s_vs_simpy"] = floor["events_per_s"] / timeouts["simpy"]["events_per_s"]
+        floor["ratio_events_per_cpu_s_vs_simpy"] = (
+            floor["events_per_cpu_s"] / timeouts["simpy"]["events_per_cpu_s"]
+        )
+        floor["ours_share_events_per_cpu_s"] = (
+            timeouts["ours"]["events_per_cpu_s"] / floor["events_per_cpu_s"]
+        )
+        timeouts[name] = floor
     print_model(
         f"1. {procs:,} processes x Exp(1) timeouts until t={horizon:g} "
         f"(identical draws: {drawn:,} consumed by each engine)",
         "timeout",
         timeouts,
     )
+    for name, (label, _) in floors.items():
+        floor = timeouts[name]
+        print(
+            f"  {label}: {floor['events_per_s']:,.0f} events/s, best cpu {floor['best_cpu_s']:.3f} s = "
+            f"{floor['ratio_events_per_s_vs_simpy']:.2f}x SimPy events/s "
+            f"({floor['ratio_events_per_cpu_s_vs_simpy']:.2f}x per cpu s); ours runs at "
+            f"{floor['ours_share_events_per_cpu_s']:.0%} of its events per cpu s"
+        )
 
     # Model 2
     gaps, services = mm_arrivals(customers, args.seed)

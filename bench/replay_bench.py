@@ -92,12 +92,12 @@ def ours(arrivals, nodes, prefill, network, decode) -> tuple[int, float]:
             q.queue.append((service, then, args))
         else:
             q.busy = True
-            loop.after(service, release, q, then, args)
+            loop.call_after(service, release, q, then, args)
 
     def release(q: Fifo, then, args) -> None:
         if q.queue:
             service, nxt, nargs = q.queue.pop(0)
-            loop.after(service, release, q, nxt, nargs)
+            loop.call_after(service, release, q, nxt, nargs)
         else:
             q.busy = False
         then(*args)
@@ -110,10 +110,10 @@ def ours(arrivals, nodes, prefill, network, decode) -> tuple[int, float]:
 
     def transferred(i: int) -> None:
         ttft.append(loop.now - arrivals[i])
-        loop.after(decode[i], lambda: None)
+        loop.call_after(decode[i], lambda: None)
 
     for i, t in enumerate(arrivals):
-        loop.at(t, arrive, i)
+        loop.call_at(t, arrive, i)
     loop.run()
     return loop.events_run, sum(ttft) / len(ttft)
 

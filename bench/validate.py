@@ -326,7 +326,7 @@ class ClosedLoopCluster(Cluster):
         if after is not None:
             none: Iterator[WorkItem] = iter(())
             page, model = self.setup.decode.page_size, self.setup.model_name
-            self.loop.after(self.think, self._arrive, after, none, page, model)
+            self.loop.call_after(self.think, self._arrive, after, none, page, model)
 
 
 def _per_round(records: Sequence[RequestRecord]) -> list[dict[str, float]]:

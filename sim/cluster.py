@@ -131,7 +131,7 @@ class Cluster:
         self._sequential = sequential
         first = next(arrivals, None)
         if first is not None:
-            self.loop.at(first.arrival, self._arrive, first, arrivals, page, model)
+            self.loop.call_at(first.arrival, self._arrive, first, arrivals, page, model)
         start = time.perf_counter()
         self.loop.run()
         wall = time.perf_counter() - start
@@ -169,11 +169,13 @@ class Cluster:
     def _arrive(self, item: WorkItem, arrivals: Iterator[WorkItem], page: int, model: str) -> None:
         # Arrivals are scheduled one ahead, which keeps the event heap small.
         if self._sequential:
-            self.loop.after(self.setup.tick_interval, self._when_rested, arrivals, page, model)
+            self.loop.call_after(self.setup.tick_interval, self._when_rested, arrivals, page, model)
         else:
             after = next(arrivals, None)
             if after is not None:
-                self.loop.at(max(after.arrival, self.loop.now), self._arrive, after, arrivals, page, model)
+                self.loop.call_at(
+                    max(after.arrival, self.loop.now), self._arrive, after, arrivals, page, model
+                )
         keys = self._keys[item.id] if self._keys is not None else item.sequence_keys(page, model)
         seq = keys.tolist()
         prompt = seq[: item.prompt_len // page]
@@ -192,7 +194,7 @@ class Cluster:
 
     def _when_rested(self, arrivals: Iterator[WorkItem], page: int, model: str) -> None:
         if any(d.live or not d.core.idle for d in self.decode) or any(p.load for p in self.prefill):
-            self.loop.after(self.setup.tick_interval, self._when_rested, arrivals, page, model)
+            self.loop.call_after(self.setup.tick_interval, self._when_rested, arrivals, page, model)
             return
         after = next(arrivals, None)
         if after is not None:

@@ -89,7 +89,7 @@ class DecodeDriver:
         self.flush_every = max(self.page, core.cfg.decode_reserve_tokens)
         self.live: dict[str, LiveRequest] = {}
         self.core_events = 0
-        self._tick: EventHandle | None = None
+        self._tick_due = False  # a Tick is scheduled
         self._prefetches: dict[int, tuple[cmd.Prefetch, Transfer, int, EventHandle]] = {}
         self._transfer_req: dict[int, str] = {}
         # the decode batch
@@ -122,11 +122,12 @@ class DecodeDriver:
         out = self.core.handle(event)
         for c in out:
             self._run(c)
-        if not isinstance(event, ev.Tick) and self._tick is None:
-            self._tick = self.loop.after(self.tick_interval, self._on_tick)
+        if not isinstance(event, ev.Tick) and not self._tick_due:
+            self._tick_due = True
+            self.loop.call_after(self.tick_interval, self._on_tick)
 
     def _on_tick(self) -> None:
-        self._tick = None
+        self._tick_due = False
         self._feed(ev.Tick(self.loop.now))
 
     # ------------------------------------------------------------------ commands
@@ -149,18 +150,18 @@ class DecodeDriver:
             delay = 0.0
             if self.faults is not None:
                 failed, delay = self.faults.load(c, self._owners(c))
-            loop.at(t.done + delay, self._load_done, c.op, failed)
+            loop.call_at(t.done + delay, self._load_done, c.op, failed)
         elif isinstance(c, cmd.Backup):
             t = self.d2h.reserve(now, len(c.device_slots) * page_bytes)
             delay = self.faults.backup(c) if self.faults is not None else 0.0
-            loop.at(t.done + delay, self._feed_at, ev.BackupDone, c.op)
+            loop.call_at(t.done + delay, self._feed_at, ev.BackupDone, c.op)
         elif isinstance(c, cmd.QueryStorage):
             assert self.store is not None
             hits = tuple((rid, self.store.prefix_hits(keys)) for rid, keys in c.queries)
             delay = 0.0
             if self.faults is not None:
                 hits, delay = self.faults.query(c.op, hits)
-            loop.at(now + self.store.channel.latency + delay, self._answer_query, c.op, hits)
+            loop.call_at(now + self.store.channel.latency + delay, self._answer_query, c.op, hits)
         elif isinstance(c, cmd.Prefetch):
             assert self.store is not None
             avail = self.store.prefix_hits(c.keys)
@@ -179,15 +180,15 @@ class DecodeDriver:
                 got = min(avail, int(avail * t.fraction_at(now)))
                 self.store.channel.cut(t, now)  # type: ignore[union-attr]
                 del self._prefetches[c.op]
-                loop.at(now, self._feed_prefetch_done, c.op, got)
+                loop.call_at(now, self._feed_prefetch_done, c.op, got)
         elif isinstance(c, cmd.Store):
             assert self.store is not None
             t = self.store.channel.reserve(now, len(c.keys) * page_bytes)
             keys, delay = self.faults.store(c) if self.faults is not None else (c.keys, 0.0)
-            loop.at(t.done + delay, self._store_done, c.op, keys)
+            loop.call_at(t.done + delay, self._store_done, c.op, keys)
         elif isinstance(c, cmd.SetTimer):
             at = self.faults.timer(c, now) if self.faults is not None else max(c.at, now)
-            loop.at(at, self._feed_at, ev.TimerFired, c.timer)
+            loop.call_at(at, self._feed_at, ev.TimerFired, c.timer)
         elif isinstance(c, cmd.Retract):
             self._leave(self.live[c.req])
         elif isinstance(c, cmd.Respond):
@@ -236,9 +237,10 @@ class DecodeDriver:
             live.pd_bytes += nbytes
         t = self.network.reserve(self.loop.now, nbytes)
         if fault is not None and fault.fail:
-            self.loop.at(t.done + fault.delay, self._failed, c.req, c.transfer, fault.reason)
+            self.loop.call_at(t.done + fault.delay, self._failed, c.req, c.transfer, fault.reason)
             return
-        self.loop.at(t.done + (fault.delay if fault is not None else 0.0), self._arrived, c.req, c.transfer)
+        delay = fault.delay if fault is not None else 0.0
+        self.loop.call_at(t.done + delay, self._arrived, c.req, c.transfer)
 
     def _arrived(self, rid: str, tid: int) -> None:
         self._transfer_req.pop(tid, None)

@@ -135,7 +135,7 @@ class PrefillNode:
         self.computed_tokens += compute
         self.cached_tokens += job.cached_tokens
         done = ready + self.costs.prefill_seconds(compute, job.cached_tokens)
-        self.loop.at(done, self._done, job, lock, device_slots)
+        self.loop.call_at(done, self._done, job, lock, device_slots)
 
     def _l3_read_seconds(self, pages: int, now: float) -> float:
         """Queueing behind the storage channel's backlog, then the read and the host copy."""
