@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hypothesis.strategies as st
 import pytest
+from hypothesis import given, settings
 
 from hicache.core.errors import CoreError, PoolError
 from hicache.core.pool import SlotPool
@@ -231,4 +233,121 @@ def test_transfer_accepts_an_iterator() -> None:
     pool.alloc(2, "req")
     pool.transfer(iter([0, 1]), "req", "tree")
     assert pool.owned_by("tree") == [0, 1]
+    pool.check()
+
+
+# ------------------------------------------------------------------ batches: runs and single slots
+#
+# free, transfer and adopt check and move long batches run by run (slices) and short or
+# fragmented ones slot by slot. Either way a batch is all or nothing.
+
+CAP = 200
+
+
+def _batch(draw: st.DrawFn, pool: SlotPool, owner: str) -> list[int]:
+    """Some of `owner`'s slots, as runs or scattered, sometimes spoiled by one bad slot."""
+    mine = pool.owned_by(owner)
+    kind = draw(st.sampled_from(["runs", "scattered", "empty"]))
+    if kind == "empty" or not mine:
+        batch: list[int] = []
+    elif kind == "runs":
+        start = draw(st.integers(0, len(mine) - 1))
+        batch = mine[start : start + draw(st.integers(1, len(mine)))]
+        cut = draw(st.integers(0, len(batch)))
+        batch = batch[cut:] + batch[:cut]  # two runs, the later one first
+    else:
+        batch = draw(st.lists(st.sampled_from(mine), unique=True, max_size=len(mine)))
+    bad = draw(st.sampled_from(["none", "none", "repeat", "foreign", "free", "past_end", "negative"]))
+    spot = draw(st.integers(0, len(batch)))
+    if bad == "repeat" and batch:
+        batch.insert(spot, batch[draw(st.integers(0, len(batch) - 1))])
+    elif bad == "foreign" and pool.owned_by("other"):
+        batch.insert(spot, draw(st.sampled_from(pool.owned_by("other"))))
+    elif bad == "free" and pool.free_slots():
+        batch.insert(spot, draw(st.sampled_from(pool.free_slots())))
+    elif bad == "past_end":
+        batch.insert(spot, CAP + draw(st.integers(0, 5)))
+    elif bad == "negative":
+        batch.insert(spot, -draw(st.integers(1, CAP)))
+    return batch
+
+
+def _valid(pool_owners: list[object], batch: list[int], owner: str) -> bool:
+    return len(set(batch)) == len(batch) and all(0 <= s < CAP and pool_owners[s] == owner for s in batch)
+
+
+@st.composite
+def _pool_and_batches(draw: st.DrawFn) -> tuple[SlotPool, list[int], list[int]]:
+    pool = SlotPool("L1", CAP)
+    for _ in range(draw(st.integers(1, 6))):  # interleaved allocations fragment the free list
+        who = draw(st.sampled_from(["req", "req", "other"]))
+        got = pool.alloc(draw(st.integers(1, 60)), who)
+        if got and draw(st.booleans()):
+            pool.free(got[: draw(st.integers(0, len(got)))], who)
+    return pool, _batch(draw, pool, "req"), _batch(draw, pool, "req")
+
+
+@settings(max_examples=400, deadline=None)
+@given(_pool_and_batches(), st.sampled_from(["free", "transfer", "adopt"]))
+def test_a_batch_moves_whole_or_not_at_all(case: tuple[SlotPool, list[int], list[int]], op: str) -> None:
+    pool, batch, other = case
+    owners = [pool.owner_of(s) for s in range(CAP)]
+    free_before = pool.free_slots()
+    if op == "adopt":
+        ok = _valid(owners, batch + other, "req")
+        assert pool.adopt(batch, other, "req", "tree") is ok
+    else:
+        ok = _valid(owners, batch, "req")
+        try:
+            if op == "free":
+                pool.free(batch, "req")
+            else:
+                pool.transfer(batch, "req", "tree")
+        except PoolError:
+            assert not ok
+        else:
+            assert ok
+    if not ok:
+        assert [pool.owner_of(s) for s in range(CAP)] == owners
+        assert pool.free_slots() == free_before
+    else:
+        moved, released = {"adopt": (batch, other), "transfer": (batch, []), "free": ([], batch)}[op]
+        for s in moved:
+            assert pool.owner_of(s) == "tree"
+        for s in released:
+            assert pool.owner_of(s) is None
+        assert pool.free_slots() == free_before + released[::-1]
+        untouched = set(range(CAP)) - set(moved) - set(released)
+        assert all(pool.owner_of(s) == owners[s] for s in untouched)
+    pool.check()
+
+
+@pytest.mark.parametrize(
+    "case", ["overlapping_runs", "run_into_foreign", "run_into_free", "past_the_end", "across_batches"]
+)
+def test_a_long_batch_with_a_bad_run_changes_nothing(case: str) -> None:
+    pool = SlotPool("L1", 160)
+    mine = pool.alloc(96, "req")  # 0..95
+    pool.alloc(32, "other")  # 96..127, and 128..159 stay free
+    assert mine == list(range(96))
+    batch, release = {
+        "overlapping_runs": (list(range(64)) + list(range(32, 64)), []),
+        "run_into_foreign": (list(range(32, 128)), []),
+        "run_into_free": (list(range(128, 160)) + list(range(32)), []),
+        "past_the_end": (list(range(64, 96)) + list(range(150, 170)), []),
+        "across_batches": (list(range(48)), list(range(40, 96))),
+    }[case]
+    owners = [pool.owner_of(s) for s in range(160)]
+    free_before = pool.free_slots()
+    assert not pool.adopt(batch, release, "req", "tree")
+    with pytest.raises(PoolError):
+        pool.transfer(batch + release, "req", "tree")
+    with pytest.raises(PoolError):
+        pool.free(batch + release, "req")
+    assert [pool.owner_of(s) for s in range(160)] == owners
+    assert pool.free_slots() == free_before
+    pool.check()
+    # The same batches without the bad part move as a whole, in runs.
+    assert pool.adopt(list(range(48)), list(range(48, 96)), "req", "tree")
+    assert pool.owned_by("tree") == list(range(48)) and pool.owned_by("req") == []
     pool.check()

@@ -192,6 +192,37 @@ class TieredTreeMachine(RuleBasedStateMachine):
         assert ev.freed == len(ev.demoted_keys) + len(ev.dropped_keys)
         self._apply_evict(ev)
 
+    @rule()
+    def evict_device_one(self) -> None:
+        """The node an eviction takes first is, of all nodes evictable from L1, the one with the
+        smallest key under the tree's policy (a brute-force scan, not the tree's heap)."""
+        tree = self.tree
+        keyed = [(tree._priority(n), n) for n in tree.nodes() if tree._l1_evictable(n)]
+        before = self.dev.num_free
+        self.l2_dropped = set()
+        ev = tree.evict_device(1)
+        self._collect()
+        assert self.dev.num_free - before == ev.freed
+        self._apply_evict(ev)
+        if not keyed:
+            assert ev.freed == ev.pending == 0
+            return
+        taken = [(k, n) for k, n in keyed if n.device is None or n.evict_after_backup]
+        assert len(taken) == 1, taken
+        assert taken[0][0] == min(k for k, _ in keyed), (taken, keyed)
+
+    @rule()
+    def evict_host_one(self) -> None:
+        """Likewise for L2: the evictable host-only leaf with the smallest key goes first."""
+        tree = self.tree
+        keyed = [(tree._priority(n), n) for n in tree.nodes() if tree._l2_evictable(n)]
+        ev = tree.evict_host(1)
+        taken = [(k, n) for k, n in keyed if n.parent is None]
+        assert len(taken) == (1 if keyed else 0), (taken, keyed)
+        if keyed:
+            assert taken[0][0] == min(k for k, _ in keyed), (taken, keyed)
+            assert ev.dropped_keys == taken[0][1].keys
+
     @rule(pages=st.integers(1, 30))
     def evict_host(self, pages: int) -> None:
         before = self.host.num_free

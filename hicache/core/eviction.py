@@ -51,6 +51,12 @@ EVICTION_POLICIES: dict[str, EvictionPolicy] = {
     "priority": priority,
 }
 
+RISE_ON_USE: frozenset[str] = frozenset({"lru", "lfu", "fifo", "priority"})
+"""Policies whose key never falls when a node is used again later (a use raises `last_access`,
+`hit_count` or `priority`, or leaves the key as it is). Under them a heap entry keeps a lower
+bound of its node's key, so the tree need not push a node on every use: it re-keys the entry
+when it surfaces. `mru`'s key falls on every use, so it is pushed each time."""
+
 
 def eviction_policy(name: str) -> EvictionPolicy:
     """The policy called `name`, or a PolicyError listing the known names."""

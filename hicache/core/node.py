@@ -32,6 +32,8 @@ class TreeNode:
         "evict_after_backup",
         "l1_ver",
         "l2_ver",
+        "l1_queued",
+        "l2_queued",
     )
 
     def __init__(self, node_id: int, keys: list[int], parent: TreeNode | None, created: int) -> None:
@@ -54,6 +56,8 @@ class TreeNode:
         self.evict_after_backup = False
         self.l1_ver = 0  # bumped on every L1 eviction-heap push; stale heap entries are skipped
         self.l2_ver = 0
+        self.l1_queued = False  # the entry of version l1_ver is in the L1 heap, not yet popped
+        self.l2_queued = False
 
     def __repr__(self) -> str:
         tiers = "".join(t for t, on in (("D", self.device), ("H", self.host)) if on is not None)

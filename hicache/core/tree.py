@@ -23,7 +23,7 @@ import numpy as np
 
 from hicache.core.commands import Backup, Command, Store
 from hicache.core.errors import CoreError, LockError
-from hicache.core.eviction import EvictionPolicy, eviction_policy
+from hicache.core.eviction import RISE_ON_USE, EvictionPolicy, eviction_policy
 from hicache.core.node import TreeNode
 from hicache.core.pool import Owner, SlotPool
 from hicache.core.prefix_match import DecodePrefixMatch
@@ -97,6 +97,8 @@ class TieredRadixTree:
         self.host_pool = host_pool
         self.eviction_name = eviction
         self._priority: EvictionPolicy = eviction_policy(eviction)
+        # Whether a use may leave a node's heap entry in place (its key only rises; see RISE_ON_USE).
+        self._lazy = eviction in RISE_ON_USE
         self.write_policy = WritePolicy.parse(write_policy)
         self.store_to_l3 = store_to_l3
         # L2 pages a Store is reading cannot be evicted; when storage falls behind, capping
@@ -141,6 +143,7 @@ class TieredRadixTree:
         device_pages = 0
         device_slots: list[int] = []
         host_slots: list[int] = []
+        lazy = self._lazy
         while i < n:
             child = node.children.get(keys[i])
             if child is None:
@@ -153,13 +156,21 @@ class TieredRadixTree:
             node = child
             i += size
             node.hit_count += 1
-            self._touch(node, now)
+            if lazy and now >= node.last_access:
+                node.last_access = now  # the queued entry stays a lower bound of the key
+                if node.device is not None:
+                    if not node.l1_queued:
+                        self._push_l1(node)
+                elif not node.l2_queued and not node.children:
+                    self._push_l2(node)
+            else:
+                self._touch(node, now)
             if node.device is not None:
-                device_slots.extend(node.device)
+                device_slots += node.device
                 device_node = node
                 device_pages = i
             else:
-                host_slots.extend(node.host)  # type: ignore[arg-type]  # every node holds a tier
+                host_slots += node.host  # type: ignore[arg-type]  # every node holds a tier
         self.stats.matched_device += device_pages
         self.stats.matched_host += i - device_pages
         if self.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE:
@@ -208,31 +219,14 @@ class TieredRadixTree:
         n = len(keys)
         if len(device_slots) != n:
             raise CoreError(f"insert: {n} page keys but {len(device_slots)} device slots")
-        device_slots = list(device_slots)
-        # Validate everything before changing anything: the pages already on L1 may be passed
-        # as the tree's own slots (the request's locked prefix) or as the caller's duplicates.
-        held = self._device_prefix(keys)
-        h = len(held)
-        if device_slots[:h] == held:
-            rest, base = device_slots[h:], h  # the tree's own prefix: the rest must be `owner`'s
-        else:
-            rest, base = device_slots, 0
-        own = self.device_pool._owner
-        cap = self.device_pool.capacity
-        if rest and not (
-            min(rest) >= 0 and max(rest) < cap and [own[s] for s in rest].count(owner) == len(rest)
-        ):
-            for j, s in enumerate(rest, base):
-                if j < h and s == held[j]:
-                    continue
-                if not (0 <= s < cap) or own[s] != owner:
-                    raise CoreError(f"insert: slot {s} for page {j} is not owned by {owner!r}")
-        if len(set(device_slots)) != n:
-            raise CoreError("insert: a device slot is given for two pages")
+        if not isinstance(device_slots, list):
+            device_slots = list(device_slots)
+        # Find the path first and validate everything before changing anything (not even a split).
+        path: list[TreeNode] = []
+        held: list[int] = []  # the L1 slots of the path's L1 prefix (L1 nodes are root-connected)
         node = self.root
         i = 0
-        cached = 0
-        duplicates: list[int] = []
+        cut = 0  # > 0: the walk ends after this many pages of the last node on the path
         while i < n:
             child = node.children.get(keys[i])
             if child is None:
@@ -240,62 +234,76 @@ class TieredRadixTree:
             ck = child.keys
             size = len(ck)
             if not (i + size <= n and ck[-1] == keys[i + size - 1] and ck == keys[i : i + size]):
-                size = _common_prefix(ck, keys, i)
-                child = self._split(child, size)
-            node = child
-            if node.device is not None:
-                duplicates.extend(
-                    s for s, t in zip(device_slots[i : i + size], node.device, strict=True) if s != t
-                )
-                cached += size
-            else:
-                self._give_device(node, device_slots[i : i + size], owner)
-            node.priority = max(node.priority, priority)
-            self._touch(node, now)
+                cut = size = _common_prefix(ck, keys, i)
+            path.append(child)
+            if child.device is not None:
+                held += child.device[:size] if cut else child.device
             i += size
+            if cut:
+                break
+            node = child
+        h = len(held)
+        # The pages already on L1 may come as the tree's own slots (the request's locked prefix)
+        # or as the caller's duplicates; a slot of `owner` is never one of the tree's.
+        duplicates = [] if device_slots[:h] == held else device_slots[:h]
+        pool = self.device_pool
+        # One pass validates and moves at once: the new pages' slots to the tree, duplicates
+        # back to the pool. Anything else (a bad slot, or L1 pages given partly as the tree's
+        # own slots) takes the per-slot path, which names the first bad slot.
+        if owner == TREE or not pool.adopt(device_slots[h:], duplicates, owner, TREE):
+            duplicates = self._check_insert_slots(device_slots, held, owner)
+            pool.transfer(device_slots[h:], owner, TREE, checked=True)
+            pool.free(duplicates, owner, checked=True)
+        if cut:
+            path[-1] = self._split(path[-1], cut)
+        lazy = self._lazy
+        i = 0
+        for node in path:
+            size = len(node.keys)
+            if node.device is None:  # host-only: back on L1 with the caller's slots
+                node.device = device_slots[i : i + size]
+                node.parent.dev_children += 1  # type: ignore[union-attr]
+                self._queue_l1(node)
+            if priority > node.priority:
+                node.priority = priority
+            if lazy and now >= node.last_access and node.l1_queued:
+                node.last_access = now  # on L1 and queued: the entry stays a lower bound
+            else:
+                self._touch(node, now)
+            i += size
+        node = path[-1] if path else self.root
         if i < n:
             leaf = TreeNode(next(self._node_ids), keys[i:], node, next(self._created))
             leaf.hit_count = 1
             leaf.priority = priority
             leaf.last_access = now
             node.children[keys[i]] = leaf
+            node.dev_children += 1
             self.num_nodes += 1
-            self._give_device(leaf, device_slots[i:], owner)
+            leaf.device = device_slots[i:]
+            self._push_l1(leaf)
             node = leaf
-        if duplicates:
-            self.device_pool.free(duplicates, owner)
-        self.stats.inserted += n - cached
+        self.stats.inserted += n - h
         if self.write_policy is WritePolicy.WRITE_THROUGH:
             self._backup_path(node)
         elif self.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE:
             self._backup_hot(node)
-        return InsertResult(cached_pages=cached, adopted_pages=n - cached)
+        return InsertResult(cached_pages=h, adopted_pages=n - h)
 
-    def _device_prefix(self, keys: list[int]) -> list[int]:
-        """The L1 slots of the longest prefix of `keys` that L1 holds (nothing is split)."""
-        node = self.root
-        slots: list[int] = []
-        i = 0
-        n = len(keys)
-        while i < n:
-            child = node.children.get(keys[i])
-            if child is None or child.device is None:
-                break
-            size = _common_prefix(child.keys, keys, i)
-            slots.extend(child.device[:size])
-            i += size
-            if size < len(child.keys):
-                break
-            node = child
-        return slots
-
-    def _give_device(self, node: TreeNode, slots: list[int], owner: Owner) -> None:
-        self.device_pool.transfer(slots, owner, TREE)
-        node.device = slots
-        parent = node.parent
-        if parent is not None:
-            parent.dev_children += 1
-        self._push_l1(node)
+    def _check_insert_slots(self, device_slots: list[int], held: list[int], owner: Owner) -> list[int]:
+        """The per-slot check of an insert's slots, naming the first bad one; returns the
+        duplicates to free (the slots of L1 pages that are not the tree's own)."""
+        own = self.device_pool._owner
+        cap = self.device_pool.capacity
+        h = len(held)
+        for j, s in enumerate(device_slots):
+            if j < h and s == held[j]:
+                continue
+            if not (0 <= s < cap) or own[s] != owner:
+                raise CoreError(f"insert: slot {s} for page {j} is not owned by {owner!r}")
+        if len(set(device_slots)) != len(device_slots):
+            raise CoreError("insert: a device slot is given for two pages")
+        return [s for s, t in zip(device_slots[:h], held, strict=True) if s != t]
 
     # ------------------------------------------------------------------ locks and pins
 
@@ -317,7 +325,7 @@ class TieredRadixTree:
         while node is not self.root:
             node.lock_ref -= 1
             if node.lock_ref == 0:
-                self._push_l1(node)
+                self._queue_l1(node)
             node = node.parent  # type: ignore[assignment]
 
     def pin_host(self, node: TreeNode) -> HostPin:
@@ -338,7 +346,7 @@ class TieredRadixTree:
         while node is not self.root:
             node.host_ref -= 1
             if node.host_ref == 0:
-                self._push_l2(node)
+                self._queue_l2(node)
             node = node.parent  # type: ignore[assignment]
 
     @property
@@ -361,8 +369,14 @@ class TieredRadixTree:
         dropped: list[int] = []
         # Read the heap attribute each time: a push below may rebuild it into a new list.
         while freed + pending < pages and self._l1_heap:
-            _, ver, _, node = heapq.heappop(self._l1_heap)
-            if ver != node.l1_ver or not self._l1_evictable(node):
+            key, ver, _, node = heapq.heappop(self._l1_heap)
+            if ver != node.l1_ver:
+                continue
+            node.l1_queued = False
+            if not self._l1_evictable(node):
+                continue  # pushed again when it becomes evictable
+            if self._priority(node) != key:  # used since it was queued: back in line at its key
+                self._push_l1(node)
                 continue
             size = len(node.keys)
             if node.host is not None:
@@ -383,12 +397,18 @@ class TieredRadixTree:
         freed = 0
         dropped: list[int] = []
         while freed < pages and self._l2_heap:
-            _, ver, _, node = heapq.heappop(self._l2_heap)
-            if ver != node.l2_ver or not self._l2_evictable(node):
+            key, ver, _, node = heapq.heappop(self._l2_heap)
+            if ver != node.l2_ver:
+                continue
+            node.l2_queued = False
+            if not self._l2_evictable(node):
+                continue
+            if self._priority(node) != key:
+                self._push_l2(node)
                 continue
             freed += len(node.keys)
             dropped.extend(node.keys)
-            self.host_pool.free(node.host, TREE)  # type: ignore[arg-type]
+            self.host_pool.free(node.host, TREE, checked=True)  # type: ignore[arg-type]
             node.host = None
             self.stats.host_evicted += len(node.keys)
             self._remove(node)
@@ -416,7 +436,7 @@ class TieredRadixTree:
         )
 
     def _demote(self, node: TreeNode) -> None:
-        self.device_pool.free(node.device, TREE)  # type: ignore[arg-type]
+        self.device_pool.free(node.device, TREE, checked=True)  # type: ignore[arg-type]
         node.device = None
         node.evict_after_backup = False
         self.stats.demoted += len(node.keys)
@@ -424,12 +444,12 @@ class TieredRadixTree:
         assert parent is not None
         parent.dev_children -= 1
         if parent is not self.root:
-            self._push_l1(parent)
+            self._queue_l1(parent)
         if not node.children:
-            self._push_l2(node)
+            self._queue_l2(node)
 
     def _drop(self, node: TreeNode) -> None:
-        self.device_pool.free(node.device, TREE)  # type: ignore[arg-type]
+        self.device_pool.free(node.device, TREE, checked=True)  # type: ignore[arg-type]
         node.device = None
         parent = node.parent
         assert parent is not None
@@ -444,8 +464,8 @@ class TieredRadixTree:
         node.parent = None
         self.num_nodes -= 1
         if parent is not self.root:
-            self._push_l1(parent)
-            self._push_l2(parent)
+            self._queue_l1(parent)
+            self._queue_l2(parent)
 
     # ------------------------------------------------------------------ backup and store
 
@@ -500,7 +520,7 @@ class TieredRadixTree:
             n.ops.discard(op)
             n.host_pending = False
             keys.extend(n.keys)
-            self._push_l1(n)
+            self._queue_l1(n)
         self.stats.backed_up += len(keys)
         demoted: list[int] = []
         for n in reversed(nodes):  # deepest first: a parent is a leaf once its child is demoted
@@ -542,7 +562,7 @@ class TieredRadixTree:
             n.ops.discard(op)
             n.in_l3 = True
             keys.extend(n.keys)
-            self._push_l2(n)
+            self._queue_l2(n)
         self.stats.stored += len(keys)
         self.store_pending -= len(keys)
         return keys
@@ -550,6 +570,11 @@ class TieredRadixTree:
     def _path_order(self, nodes: list[TreeNode]) -> list[TreeNode]:
         """`nodes` of one operation in the order of its command's pages (root side first), also
         after a split added the upper half of a node to the end of the list."""
+        for i in range(1, len(nodes)):
+            if nodes[i].parent is not nodes[i - 1]:
+                break
+        else:
+            return nodes  # already a path, root side first (no split since the command)
 
         def depth(n: TreeNode) -> int:
             d = 0
@@ -599,20 +624,37 @@ class TieredRadixTree:
         return new
 
     def _touch(self, node: TreeNode, now: float) -> None:
+        """A use of `node` at `now`. Its eviction entry is pushed again only when its key may
+        have fallen (`mru`, or a clock that went back) or it has none queued; otherwise the
+        entry keeps a lower bound of the key and is re-keyed when it surfaces in an eviction."""
+        lower_bound = self._lazy and now >= node.last_access
         node.last_access = now
         if node.device is not None:
+            if not (lower_bound and node.l1_queued):
+                self._push_l1(node)
+        elif not node.children and not (lower_bound and node.l2_queued):
+            self._push_l2(node)
+
+    def _queue_l1(self, node: TreeNode) -> None:
+        """`node` may have become evictable from L1: make sure an entry for it is queued (one
+        still queued holds a lower bound of its key, so it is left as it is)."""
+        if not node.l1_queued:
             self._push_l1(node)
-        elif not node.children:
+
+    def _queue_l2(self, node: TreeNode) -> None:
+        if not node.l2_queued:
             self._push_l2(node)
 
     def _push_l1(self, node: TreeNode) -> None:
         node.l1_ver += 1
+        node.l1_queued = True
         heapq.heappush(self._l1_heap, (self._priority(node), node.l1_ver, node.id, node))
         if len(self._l1_heap) > 4 * self.num_nodes + 1024:
             self._l1_heap = self._rebuild(self._l1_heap, "l1_ver")
 
     def _push_l2(self, node: TreeNode) -> None:
         node.l2_ver += 1
+        node.l2_queued = True
         heapq.heappush(self._l2_heap, (self._priority(node), node.l2_ver, node.id, node))
         if len(self._l2_heap) > 4 * self.num_nodes + 1024:
             self._l2_heap = self._rebuild(self._l2_heap, "l2_ver")
@@ -706,9 +748,20 @@ class TieredRadixTree:
 
 def _common_prefix(node_keys: list[int], keys: list[int], start: int) -> int:
     """Pages of `node_keys` equal to `keys[start:]` from the beginning (at least 1: the child
-    was found by its first key)."""
+    was found by its first key). Slice comparisons run at C speed: the whole overlap first,
+    then galloping probes and a bisection to the first difference."""
     limit = min(len(node_keys), len(keys) - start)
-    k = 1
-    while k < limit and node_keys[k] == keys[start + k]:
-        k += 1
-    return k
+    if node_keys[:limit] == keys[start : start + limit]:
+        return limit
+    lo, step = 1, 1  # node_keys[:lo] matches; the first difference is below `limit`
+    while lo + step < limit and node_keys[lo : lo + step] == keys[start + lo : start + lo + step]:
+        lo += step
+        step *= 2
+    hi = min(lo + step, limit)  # the first difference lies in [lo, hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if node_keys[lo:mid] == keys[start + lo : start + mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
