@@ -373,6 +373,7 @@ def test_any_mix_of_faults_keeps_every_promise_and_runs_the_same_twice(data: dic
 
 # ============================================================================ the runtime
 
+
 @asynccontextmanager
 async def runtime(
     tmp_path: Path, faults: dict[str, Any] | None, *, retries: int = 2, storage: bool = True
