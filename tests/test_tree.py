@@ -66,7 +66,7 @@ def finish_backups(tree: TieredRadixTree) -> list[Command]:
 def node_at(tree: TieredRadixTree, keys: Sequence[int]) -> TreeNode:
     """The node holding exactly `keys` (found by walking, without touching or splitting)."""
     for n in tree.nodes():
-        if n.keys == list(keys):
+        if n.keys == tuple(keys):
             return n
     raise AssertionError(f"no node holds exactly {list(keys)}")
 
@@ -127,14 +127,14 @@ def test_insert_then_match_full_extension_prefix_and_diverging() -> None:
     assert (pre.device_pages, pre.host_pages, pre.l3_start) == (2, 0, 2)
     assert pre.device_slots == [2, 3]
     assert tree.num_nodes == 2 and tree.stats.splits == 1
-    assert pre.device_node.keys == [11, 12] and pre.device_node.device == [2, 3]
+    assert pre.device_node.keys == (11, 12) and pre.device_node.device == (2, 3)
     assert pre.host_node is pre.device_node
-    assert node_at(tree, [13, 14]).device == [4, 5]
+    assert node_at(tree, [13, 14]).device == (4, 5)
 
     div = tree.match([11, 12, 13, 99, 100], now=4)
     assert (div.device_pages, div.host_pages, div.l3_start, div.l3_candidate_pages) == (3, 0, 3, 2)
     assert div.device_slots == [2, 3, 4]
-    assert div.device_node.keys == [13] and div.device_node.device == [4]
+    assert div.device_node.keys == (13,) and div.device_node.device == (4,)
     assert tree.num_nodes == 3 and tree.stats.splits == 2
 
     miss = tree.match([99, 11, 12], now=5)
@@ -206,8 +206,8 @@ def test_insert_inside_a_node_splits_it_and_adds_the_tail() -> None:
     slots, res = put(tree, [1, 2, 9], owner="r2")
     assert res == InsertResult(cached_pages=2, adopted_pages=1)
     assert tree.num_nodes == 3 and tree.stats.splits == 1
-    assert sorted(n.keys for n in tree.nodes()) == [[1, 2], [3, 4], [9]]
-    assert node_at(tree, [9]).device == [slots[2]]
+    assert sorted(n.keys for n in tree.nodes()) == [(1, 2), (3, 4), (9,)]
+    assert node_at(tree, [9]).device == (slots[2],)
     assert dev.owner_of(slots[0]) is None and dev.owner_of(slots[1]) is None
     tree.check()
 
@@ -287,7 +287,7 @@ def test_locked_path_survives_eviction_until_unlocked() -> None:
     put(tree, [1, 2, 3], now=0)
     put(tree, [1, 2, 7, 8], now=1)
     m = tree.match([1, 2, 3], now=2)
-    assert m.device_node.keys == [3]
+    assert m.device_node.keys == (3,)
     receipt = tree.lock(m.device_node)
     assert tree.live_locks == [receipt]
     assert node_at(tree, [3]).lock_ref == 1 and node_at(tree, [1, 2]).lock_ref == 1
@@ -341,7 +341,7 @@ def test_lock_on_node_without_l1_slots_raises() -> None:
     finish_backups(tree)
     assert tree.evict_device(2).demoted_keys == [1, 2]
     m = tree.match([1, 2], now=1)
-    assert m.device_node is tree.root and m.host_node.keys == [1, 2]
+    assert m.device_node is tree.root and m.host_node.keys == (1, 2)
     with pytest.raises(LockError, match=r"holds no L1 slots"):
         tree.lock(m.host_node)
     assert tree.live_locks == [] and m.host_node.lock_ref == 0
@@ -376,11 +376,11 @@ def test_lock_on_split_anchor_protects_only_the_matched_pages() -> None:
     tree, _, _ = make_tree(l2=0, write_policy="write_back")
     put(tree, [1, 2, 3, 4])
     m = tree.match([1, 2, 7], now=1)
-    assert m.device_node.keys == [1, 2]
+    assert m.device_node.keys == (1, 2)
     receipt = tree.lock(m.device_node)
     res = tree.evict_device(10**6)
     assert res.freed == 2 and res.dropped_keys == [3, 4]
-    assert [n.keys for n in tree.nodes()] == [[1, 2]]
+    assert [n.keys for n in tree.nodes()] == [(1, 2)]
     tree.unlock(receipt)
     assert tree.evict_device(10**6).dropped_keys == [1, 2]
     tree.check()
@@ -422,7 +422,7 @@ def test_pin_on_inner_node_lets_its_unpinned_child_go() -> None:
     tree.evict_device(10**6)
     pin = tree.pin_host(tree.match([1, 2], now=2).host_node)
     assert tree.evict_host(10**6).dropped_keys == [3]
-    assert [n.keys for n in tree.nodes()] == [[1, 2]]
+    assert [n.keys for n in tree.nodes()] == [(1, 2)]
     tree.unpin_host(pin)
     tree.check()
 
@@ -434,7 +434,7 @@ def test_pin_survives_a_split_of_its_node() -> None:
     tree.evict_device(10**6)
     pin = tree.pin_host(tree.match([1, 2, 3, 4], now=1).host_node)
     m = tree.match([1, 2], now=2)  # ends inside the pinned node: splits it
-    assert tree.stats.splits == 1 and m.host_pages == 2 and m.host_node.keys == [1, 2]
+    assert tree.stats.splits == 1 and m.host_pages == 2 and m.host_node.keys == (1, 2)
     assert node_at(tree, [1, 2]).host_ref == 1 and node_at(tree, [3, 4]).host_ref == 1
     tree.check()
     assert tree.evict_host(10**6) == EvictResult(0, 0, [], [])
@@ -567,7 +567,7 @@ def test_write_through_backs_up_each_insert_of_new_pages() -> None:
     m = tree.match([1, 2, 3, 7, 8], now=4)
     assert (m.device_pages, m.host_pages, m.l3_start) == (0, 5, 5)
     assert m.host_slots == list(b1.host_slots + b2.host_slots)
-    assert m.device_node is tree.root and m.host_node.keys == [7, 8]
+    assert m.device_node is tree.root and m.host_node.keys == (7, 8)
     assert tree.stats.demoted == 5
     tree.check()
 
@@ -599,7 +599,7 @@ def test_write_through_selective_backs_up_parent_with_child() -> None:
     tree.match([1, 2, 3], now=2)
     b = one_backup(tree)
     assert b == Backup(op=1, device_slots=(parent[0], parent[1], child[2]), host_slots=(0, 1, 2))
-    assert node_at(tree, [1, 2]).host == [0, 1] and node_at(tree, [3]).host == [2]
+    assert node_at(tree, [1, 2]).host == (0, 1) and node_at(tree, [3]).host == (2,)
     tree.check()
 
 
@@ -696,7 +696,7 @@ def test_store_to_l3_after_backup_and_host_eviction_after_store() -> None:
     assert tree.evict_host(10**6) == EvictResult(0, 0, [], [])
     assert evicted == []
     node = node_at(tree, [1, 2])
-    assert node.host == list(b.host_slots) and not node.in_l3
+    assert node.host == b.host_slots and not node.in_l3
     tree.check()
 
     assert tree.store_done(s.op) == [1, 2]

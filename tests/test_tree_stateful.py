@@ -221,7 +221,7 @@ class TieredTreeMachine(RuleBasedStateMachine):
         assert len(taken) == (1 if keyed else 0), (taken, keyed)
         if keyed:
             assert taken[0][0] == min(k for k, _ in keyed), (taken, keyed)
-            assert ev.dropped_keys == taken[0][1].keys
+            assert ev.dropped_keys == list(taken[0][1].keys)
 
     @rule(pages=st.integers(1, 30))
     def evict_host(self, pages: int) -> None:

@@ -10,6 +10,9 @@ class TreeNode:
     the run. `host_pending` marks host slots whose copy from L1 is still in flight (not yet
     valid as a source). `lock_ref` protects the L1 slots of this node (every lock covers the
     path from its node to the root); `host_ref` protects the L2 slots the same way.
+
+    Keys and slots are tuples of ints: the garbage collector stops scanning a tuple of ints
+    after its first collection, where it would walk every element of a list on every one.
     """
 
     __slots__ = (
@@ -36,13 +39,13 @@ class TreeNode:
         "l2_queued",
     )
 
-    def __init__(self, node_id: int, keys: list[int], parent: TreeNode | None, created: int) -> None:
+    def __init__(self, node_id: int, keys: tuple[int, ...], parent: TreeNode | None, created: int) -> None:
         self.id = node_id
         self.keys = keys
         self.parent = parent
         self.children: dict[int, TreeNode] = {}
-        self.device: list[int] | None = None
-        self.host: list[int] | None = None
+        self.device: tuple[int, ...] | None = None
+        self.host: tuple[int, ...] | None = None
         self.host_pending = False
         self.in_l3 = False
         self.lock_ref = 0

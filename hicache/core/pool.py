@@ -25,11 +25,12 @@ class SlotPool:
             raise ValueError(f"{name} pool: capacity must be an integer >= 0 pages, got {capacity!r}")
         self.name = name
         self.capacity = capacity
-        # 0..capacity-1, to compare a run of slots against in one C-level list comparison. The
-        # free list shares its int objects, so those comparisons mostly match by identity.
-        self._numbers: list[int] = list(range(capacity))
+        # 0..capacity-1, to compare a run of slots against in one C-level comparison. The free
+        # list shares its int objects, so those comparisons mostly match by identity. A tuple of
+        # ints: the garbage collector scans it once, then no more.
+        self._numbers: tuple[int, ...] = tuple(range(capacity))
         # Reversed so that pop() hands out low slot numbers first (deterministic and readable).
-        self._free: list[int] = self._numbers[::-1]
+        self._free: list[int] = list(reversed(self._numbers))
         self._owner: list[Owner | None] = [None] * capacity
 
     @property
@@ -189,7 +190,7 @@ class SlotPool:
                         last = mid
                     else:
                         bad = mid
-                if (slots if last + 1 - a == n else slots[a : last + 1]) != numbers[first : base + last + 1]:
+                if tuple(slots[a : last + 1]) != numbers[first : base + last + 1]:
                     # A later stretch happened to line up with this run: find its end slot by slot.
                     last = a
                     while last + 1 < end and slots[last + 1] == base + last + 1:

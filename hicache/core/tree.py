@@ -109,7 +109,7 @@ class TieredRadixTree:
         self.id = next(_tree_ids)
         self._node_ids = itertools.count(1)
         self._created = itertools.count()
-        self.root = TreeNode(0, [], None, next(self._created))
+        self.root = TreeNode(0, (), None, next(self._created))
         self.num_nodes = 0
         self.outbox: list[Command] = []
         self.stats = TreeStats()
@@ -134,8 +134,7 @@ class TieredRadixTree:
     def match(self, keys: Sequence[int] | np.ndarray, now: float) -> DecodePrefixMatch:
         """Match `keys` (chained page keys) against L1 then L2, splitting a node where the
         match ends inside it so the anchors are exact. Counts a use of every matched node."""
-        if isinstance(keys, np.ndarray):
-            keys = keys.tolist()
+        keys = _as_tuple(keys)
         n = len(keys)
         i = 0
         node = self.root
@@ -188,6 +187,7 @@ class TieredRadixTree:
     def peek(self, keys: Sequence[int]) -> int:
         """How many leading pages of `keys` the tree holds (L1 or L2), changing nothing: no
         split, no access counted. A router asks this of every node before choosing one."""
+        keys = _as_tuple(keys)
         i, n = 0, len(keys)
         node = self.root
         while i < n:
@@ -214,8 +214,7 @@ class TieredRadixTree:
         """Insert a finished sequence whose KV sits in `device_slots` (one per page, owned by
         `owner`). The tree adopts the slots of pages it lacks on L1 and frees the duplicates,
         so `owner` holds none of them afterwards."""
-        if isinstance(keys, np.ndarray):
-            keys = keys.tolist()
+        keys = _as_tuple(keys)
         n = len(keys)
         if len(device_slots) != n:
             raise CoreError(f"insert: {n} page keys but {len(device_slots)} device slots")
@@ -246,22 +245,24 @@ class TieredRadixTree:
         # The pages already on L1 may come as the tree's own slots (the request's locked prefix)
         # or as the caller's duplicates; a slot of `owner` is never one of the tree's.
         duplicates = [] if device_slots[:h] == held else device_slots[:h]
+        adopted = device_slots[h:]  # the slots of the pages L1 lacks
         pool = self.device_pool
         # One pass validates and moves at once: the new pages' slots to the tree, duplicates
         # back to the pool. Anything else (a bad slot, or L1 pages given partly as the tree's
         # own slots) takes the per-slot path, which names the first bad slot.
-        if owner == TREE or not pool.adopt(device_slots[h:], duplicates, owner, TREE):
+        if owner == TREE or not pool.adopt(adopted, duplicates, owner, TREE):
             duplicates = self._check_insert_slots(device_slots, held, owner)
-            pool.transfer(device_slots[h:], owner, TREE, checked=True)
+            pool.transfer(adopted, owner, TREE, checked=True)
             pool.free(duplicates, owner, checked=True)
         if cut:
             path[-1] = self._split(path[-1], cut)
+        fresh = tuple(adopted)  # nodes keep tuples (see TreeNode); page i is fresh[i - h]
         lazy = self._lazy
         i = 0
         for node in path:
             size = len(node.keys)
             if node.device is None:  # host-only: back on L1 with the caller's slots
-                node.device = device_slots[i : i + size]
+                node.device = fresh[i - h : i - h + size]
                 node.parent.dev_children += 1  # type: ignore[union-attr]
                 self._queue_l1(node)
             if priority > node.priority:
@@ -280,7 +281,7 @@ class TieredRadixTree:
             node.children[keys[i]] = leaf
             node.dev_children += 1
             self.num_nodes += 1
-            leaf.device = device_slots[i:]
+            leaf.device = fresh[i - h :]
             self._push_l1(leaf)
             node = leaf
         self.stats.inserted += n - h
@@ -499,15 +500,16 @@ class TieredRadixTree:
         op = next(self._ops)
         device: list[int] = []
         start = 0
+        host_slots = tuple(host)
         for n in chain:
             size = len(n.keys)
-            n.host = host[start : start + size]
+            n.host = host_slots[start : start + size]
             start += size
             n.host_pending = True
             n.ops.add(op)
             device.extend(n.device)  # type: ignore[arg-type]  # unbacked nodes are on L1
         self._op_nodes[op] = chain
-        self.outbox.append(Backup(op, tuple(device), tuple(host)))
+        self.outbox.append(Backup(op, tuple(device), host_slots))
         return True
 
     def backup_done(self, op: int) -> BackupResult:
@@ -746,7 +748,14 @@ class TieredRadixTree:
                 )
 
 
-def _common_prefix(node_keys: list[int], keys: list[int], start: int) -> int:
+def _as_tuple(keys: Sequence[int] | np.ndarray) -> tuple[int, ...]:
+    """Page keys as the tuple that nodes hold and compare against."""
+    if isinstance(keys, tuple):
+        return keys
+    return tuple(keys.tolist() if isinstance(keys, np.ndarray) else keys)
+
+
+def _common_prefix(node_keys: tuple[int, ...], keys: tuple[int, ...], start: int) -> int:
     """Pages of `node_keys` equal to `keys[start:]` from the beginning (at least 1: the child
     was found by its first key). Slice comparisons run at C speed: the whole overlap first,
     then galloping probes and a bisection to the first difference."""
