@@ -416,11 +416,7 @@ class DecodeService:
         reply: dict = {}
         with trio.move_on_after(self.transfer_timeout) as scope:
             try:
-                async with self._prefill_lock:
-                    if self._prefill is None:
-                        await self._connect_prefill()
-                    await protocol.send(self._prefill, msg)  # type: ignore[arg-type]
-                    gen = self._sent[c.transfer] = self._prefill_gen
+                gen = await self._send_control(c.transfer, msg)
                 reply = await receive.receive()
                 if reply.get("ok"):
                     await arrived.wait()
@@ -461,6 +457,16 @@ class DecodeService:
             live.gen.append(int(reply["first_token"]))
         self._feed(ev.KVArrived(self._now(), c.req, c.transfer))
 
+    async def _send_control(self, tid: int, msg: dict[str, Any]) -> int:
+        """Send `msg` about transfer `tid` to prefill (connecting first if needed); returns the
+        connection it went out on, which answers it or, when it breaks, closes its wait."""
+        async with self._prefill_lock:
+            if self._prefill is None:
+                await self._connect_prefill()
+            await protocol.send(self._prefill, msg)  # type: ignore[arg-type]
+            gen = self._sent[tid] = self._prefill_gen
+        return gen
+
     async def _fence(self, tid: int, *, answered: bool) -> bool:
         """Make sure no more bytes of transfer `tid` land in L1; False if that cannot be shown.
 
@@ -477,11 +483,7 @@ class DecodeService:
         self._kv_replies[tid] = send
         try:
             with trio.move_on_after(self.fence_timeout):
-                async with self._prefill_lock:
-                    if self._prefill is None:
-                        await self._connect_prefill()
-                    await protocol.send(self._prefill, {"op": "cancel", "tid": tid})  # type: ignore[arg-type]
-                    self._sent[tid] = self._prefill_gen
+                await self._send_control(tid, {"op": "cancel", "tid": tid})
                 while True:
                     msg = await receive.receive()
                     if msg.get("op") in ("cancelled", "kv"):  # a late answer also comes after settling
