@@ -34,7 +34,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from hicache.faults import APPLIES, OPS, core_audit
+from hicache.faults import APPLIES, OPS
 from hicache.scenarios.build import build_workload
 from hicache.scenarios.scenario import Scenario, load_scenario, parse_scenario
 from hicache.sim.cluster import Cluster
@@ -118,7 +118,7 @@ def sim_cell(args: tuple[str | None, str | None, float]) -> dict[str, Any]:
     cluster = Cluster(setups(scenario)["l1_l2_l3"])
     result = cluster.run(items)
     s = result.summary
-    audits = [core_audit(d.core) for d in cluster.decode]
+    audits = [d.core.audit() for d in cluster.decode]
     return {
         "op": op,
         "kind": kind,

@@ -298,19 +298,6 @@ def decide(spec: FaultSpec, op: str, op_id: int, *, node: int = 0, sub: int = 0)
 
 
 def core_audit(core: DecodeNodeCore) -> dict[str, int]:
-    """What a decode node holds once every request has ended: slots by owner (`*_leaked` are
-    slots owned by anything but the tree), locks and pins, and requests not ended. A run that
-    lost nothing has zero in every `leaked`, `locks`, `pins` and `live` entry."""
-    from hicache.core.tree import TREE  # here: loading a spec should not load the tree
-
-    out: dict[str, int] = {}
-    for tier, pool in (("l1", core.device_pool), ("l2", core.host_pool)):
-        owners = [pool.owner_of(s) for s in range(pool.capacity)]
-        out[f"{tier}_free"] = sum(o is None for o in owners)
-        out[f"{tier}_tree"] = sum(o == TREE for o in owners)
-        out[f"{tier}_leaked"] = sum(o is not None and o != TREE for o in owners)
-    out["locks"] = len(core.tree.live_locks)
-    out["pins"] = len(core.tree.live_pins)
-    out["live"] = sum(not r.state.terminal for r in core.requests.values())
-    out["reserved"] = core.reserved
-    return out
+    """What a decode node holds (`DecodeNodeCore.audit`): slots by owner, locks, pins, live
+    requests. A run that lost nothing has zero in every `leaked`, `locks`, `pins` and `live`."""
+    return core.audit()

@@ -1,12 +1,18 @@
 """The decode node: a trio service that runs the core and executes its commands for real.
 
-It makes no cache decision of its own. Clients send `generate` requests; the service feeds the
-core (arrival, ticks, completions), and runs every command concurrently in its nursery:
-storage queries, prefetches and stores on the L3 backend, load-backs and backups on the copy
-engine, KV increments from the prefill node (a control message, then a WRITE into L1 that ends
-with a notification), timers. Requests the core hands to the decode batch are decoded with the
-same model, writing each new token's KV into its L1 page; finished sequences go back to the
-core, which inserts them into the tree and backs them up L1 -> L2 -> L3.
+It makes no cache decision of its own, and reads nothing of the core but what its commands
+carry (a `Dispatcher` executes them through one table, `_handlers`). Clients send `generate`
+requests; the service feeds the core (arrival, ticks, completions, evictions, forgetting), and
+runs every command concurrently in its nursery: storage queries, prefetches and stores on the
+L3 backend, load-backs and backups on the copy engine, KV increments from the prefill node (a
+control message, then a WRITE into L1 that ends with a notification), timers. Requests the core
+hands to the decode batch (`StartDecode`, growing by `ExtendKV`) are decoded with the same
+model, writing each new token's KV into its L1 page; finished sequences go back to the core,
+which inserts them into the tree and backs them up L1 -> L2 -> L3.
+
+Each prefetch runs in its own cancel scope, which `CancelPrefetch` cancels; its `PrefetchDone`
+names the pages that landed and is fed only once the L3 read has returned, so no byte can land
+in the prefetch's host slots after the core frees them.
 
 For verification the reply carries, per page of the KV the request had before its first decode
 step, the digest of its bytes and where it came from (restored from the cache, or sent by
@@ -24,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import attrs
@@ -36,9 +42,10 @@ from hicache.core import commands as cmd
 from hicache.core import events as ev
 from hicache.core.config import DecodeConfig
 from hicache.core.decode_node import DecodeNodeCore
+from hicache.core.dispatch import Dispatcher
 from hicache.core.errors import CoreError
 from hicache.core.pages import namespace_seed, page_keys
-from hicache.faults import FaultSpec, core_audit
+from hicache.faults import FaultSpec
 from hicache.runtime import protocol
 from hicache.runtime.copy_engine import CopyEngine
 from hicache.runtime.faults import (
@@ -80,6 +87,7 @@ class _Live:
     answer: trio.Event = attrs.Factory(trio.Event)
     gen: list[int] = attrs.Factory(list)
     kv_len: int = 0  # tokens whose KV is in the request's L1 pages
+    slots: list[int] = attrs.Factory(list)  # its L1 pages while running (StartDecode + ExtendKV)
     past: torch.Tensor | None = None  # the same KV, contiguous, for the model
     running: bool = False
     first_token_at: float = -1.0
@@ -130,7 +138,6 @@ class DecodeService:
         self.transfer_timeout = transfer_timeout
         self.fence_timeout = fence_timeout
         self.abandoned = 0  # transfers given up on without a fence (their requests failed)
-        self._forget_later: set[str] = set()  # answered requests the core keeps for I/O in flight
         self.l1 = KVPool(layout, config.l1_pages, device=device, name="L1")
         self.l2 = KVPool(layout, max(config.l2_pages, 1), name="L2")
         self.region = engine.register("L1", self.l1.bytes_view())
@@ -147,11 +154,38 @@ class DecodeService:
         self._prefill_lock = trio.Lock()
         self._kv_replies: dict[int, trio.MemorySendChannel] = {}
         self._notifs: dict[int, trio.Event] = {}
-        self._wake = trio.Event()
+        self._prefetches: dict[int, trio.CancelScope] = {}  # prefetch op -> its scope, until it ends
+        self._tick_due = trio.Event()
         self._decode_wake = trio.Event()
-        self._tick_pending = False
         self._compute = trio.CapacityLimiter(1)
-        self.core_events = 0
+        self.dispatch = Dispatcher(self.core, self._handlers(), "runtime decode node")
+
+    def _handlers(self) -> dict[type, Callable[[Any], None]]:
+        """How each command is executed: I/O in its own task, batch changes at once."""
+
+        def spawn(fn: Callable[[Any], Awaitable[None]]) -> Callable[[Any], None]:
+            return lambda c: self._spawn(fn, c)
+
+        return {
+            cmd.QueryStorage: spawn(self._query),
+            cmd.Prefetch: self._start_prefetch,
+            cmd.CancelPrefetch: self._cancel_prefetch,
+            cmd.LoadBack: spawn(self._load),
+            cmd.Backup: spawn(self._backup),
+            cmd.Store: spawn(self._store),
+            cmd.RequestKV: spawn(self._request_kv),
+            cmd.SetTimer: spawn(self._timer),
+            cmd.Agree: self._agree,
+            cmd.StartDecode: self._start,
+            cmd.ExtendKV: self._extend,
+            cmd.Retract: self._retract,
+            cmd.Respond: self._respond,
+        }
+
+    @property
+    def core_events(self) -> int:
+        """Events fed to the core so far."""
+        return self.dispatch.events
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -214,7 +248,7 @@ class DecodeService:
                     l2 = protocol.field(msg, "l2", int) if "l2" in msg else 0
                     if l1 < 0 or l2 < 0:
                         raise protocol.ProtocolError("evict: l1 and l2 must be >= 0")
-                    self._run_all(self.core.evict(l1, l2, at=self._now()))
+                    self._feed(ev.EvictRequested(self._now(), l1, l2))
                     reply, binary = {"op": "evict", "ok": True}, b""
                 elif op == "idle":
                     while not (self.core.idle and not self.live):
@@ -237,14 +271,14 @@ class DecodeService:
             await stream.aclose()
 
     def audit(self) -> dict[str, Any]:
-        """What the node holds (slots by owner, locks, pins: `hicache.faults.core_audit`), whether
+        """What the node holds (slots by owner, locks, pins: `DecodeNodeCore.audit`), whether
         its invariants hold, and the faults injected and caught so far."""
         try:
             self.core.check()
             check = "ok"
         except CoreError as exc:
             check = str(exc)
-        out: dict[str, Any] = {**core_audit(self.core), "check": check}
+        out: dict[str, Any] = {**self.core.audit(), "check": check}
         if self.faults is not None:
             out["faults_injected"] = dict(sorted(self.faults.injected.items()))
             out["faults_caught"] = dict(sorted(self.faults.caught.items()))
@@ -252,8 +286,9 @@ class DecodeService:
 
     async def _generate(self, msg: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
         rid = protocol.field(msg, "rid", str)
-        if rid in self.live or rid in self.core.requests:
-            return {"op": "result", "rid": rid, "outcome": "failed", "reason": "duplicate request id"}, b""
+        duplicate = {"op": "result", "rid": rid, "outcome": "failed", "reason": "duplicate request id"}
+        if rid in self.live:
+            return duplicate, b""
         prompt = protocol.int_list(msg, "tokens", high=self.model.config.vocab)
         max_new = protocol.field(msg, "max_new", int)
         if not prompt or max_new < 1:
@@ -261,15 +296,17 @@ class DecodeService:
         tenant = msg.get("tenant")
         seed = namespace_seed(self.model_name, tenant if isinstance(tenant, str) else None)
         live = _Live(rid, prompt, max_new, seed, bool(msg.get("verify", False)), self._now())
-        self.live[rid] = live
         keys = page_keys(np.asarray(prompt, dtype=np.int64), self.cfg.page_size, seed).tolist()
-        self._feed(ev.RequestArrived(live.arrival, rid, len(prompt), keys))
+        self.live[rid] = live
+        try:
+            self._feed(ev.RequestArrived(live.arrival, rid, len(prompt), keys))
+        except CoreError:  # the core still keeps an ended request of that id (I/O in flight)
+            del self.live[rid]
+            return duplicate, b""
         await live.answer.wait()
         del self.live[rid]
-        try:
-            self.core.forget(rid)
-        except CoreError:  # still referenced by I/O in flight: kept, holding nothing, until it ends
-            self._forget_later.add(rid)
+        # The core drops it once no I/O refers to it any more.
+        self._feed(ev.ForgetRequested(self._now(), rid))
         reply = {
             "op": "result",
             "rid": rid,
@@ -291,60 +328,24 @@ class DecodeService:
         return trio.current_time()
 
     def _feed(self, event: ev.Event) -> None:
-        self.core_events += 1
-        self._run_all(self.core.handle(event))
-        if not isinstance(event, ev.Tick):
-            self._tick_pending = True
-            self._wake.set()
-
-    def _run_all(self, commands: list[cmd.Command]) -> None:
-        for c in commands:
-            self._run(c)
+        """Feed the core and execute its commands; the first event since the last tick asks
+        the tick loop for the next one. A refused event raises `CoreError`."""
+        if self.dispatch.feed(event):
+            self._tick_due.set()
 
     async def _tick_loop(self) -> None:
         while True:
-            await self._wake.wait()
-            self._wake = trio.Event()
+            await self._tick_due.wait()
+            self._tick_due = trio.Event()
             await trio.sleep(self.tick_interval)
-            self._tick_pending = False
             self._feed(ev.Tick(self._now()))
-            for rid in list(self._forget_later):
-                with contextlib.suppress(CoreError):
-                    self.core.forget(rid)
-                    self._forget_later.discard(rid)
 
     def _spawn(self, fn: Callable[..., Any], *args: Any) -> None:
         assert self._nursery is not None
         self._nursery.start_soon(fn, *args)
 
-    def _run(self, c: cmd.Command) -> None:
-        if isinstance(c, cmd.QueryStorage):
-            self._spawn(self._query, c)
-        elif isinstance(c, cmd.Prefetch):
-            self._spawn(self._prefetch, c)
-        elif isinstance(c, cmd.CancelPrefetch):
-            pass  # the prefetch runs to its end and reports what arrived; the core expects that
-        elif isinstance(c, cmd.LoadBack):
-            owners = {s: rid for rid in c.reqs for s in self.core.requests[rid].slots}
-            self._spawn(self._load, c, owners)
-        elif isinstance(c, cmd.Backup):
-            self._spawn(self._backup, c)
-        elif isinstance(c, cmd.Store):
-            self._spawn(self._store, c)
-        elif isinstance(c, cmd.RequestKV):
-            self._spawn(self._request_kv, c)
-        elif isinstance(c, cmd.SetTimer):
-            self._spawn(self._timer, c)
-        elif isinstance(c, cmd.StartDecode):
-            self._start(c)
-        elif isinstance(c, cmd.Retract):
-            live = self.live[c.req]
-            live.running = False
-            live.past = None
-        elif isinstance(c, cmd.Respond):
-            self._respond(c)
-        else:
-            raise NotImplementedError(f"a single-rank decode node does not execute {type(c).__name__}")
+    def _agree(self, c: cmd.Agree) -> None:
+        raise NotImplementedError(f"a single-rank decode node does not execute {type(c).__name__}")
 
     # ------------------------------------------------------------------ command executors
 
@@ -354,25 +355,59 @@ class DecodeService:
             hits.append((rid, await self.store.exists(list(keys)) if keys else 0))
         self._feed(ev.StorageQueried(self._now(), c.op, tuple(hits)))
 
-    async def _prefetch(self, c: cmd.Prefetch) -> None:
-        pages = await self.store.get(list(c.keys), self.l2, list(c.host_slots))
-        await self.checked.prefetched(c.host_slots, pages)
-        self._feed(ev.PrefetchDone(self._now(), c.op, pages))
+    def _start_prefetch(self, c: cmd.Prefetch) -> None:
+        # The scope exists before the task starts, so a cancel that comes first still counts.
+        scope = self._prefetches[c.op] = trio.CancelScope()
+        self._spawn(self._prefetch, c, scope)
 
-    async def _load(self, c: cmd.LoadBack, owners: dict[int, str]) -> None:
-        failed = await self.checked.load(c, owners)
+    def _cancel_prefetch(self, c: cmd.CancelPrefetch) -> None:
+        """Stop the read; the prefetch still answers, with what landed (an ended op: ignored)."""
+        scope = self._prefetches.get(c.op)
+        if scope is not None:
+            scope.cancel()
+
+    async def _prefetch(self, c: cmd.Prefetch, scope: trio.CancelScope) -> None:
+        """Read the pages from L3 until done or cancelled; then report the pages that landed.
+
+        `get` returns or raises only once nothing it started can write to the host slots (a
+        read in a worker thread is waited for), and reports pages as they land, so
+        `PrefetchDone` is exact and comes after the last byte."""
+        landed = 0
+
+        def progress(pages: int) -> None:
+            nonlocal landed
+            landed = pages
+
+        try:
+            with scope:
+                landed = await self.store.get(list(c.keys), self.l2, list(c.host_slots), progress=progress)
+            with trio.CancelScope(shield=True):  # the guard must learn what landed, whatever comes
+                await self.checked.prefetched(c.host_slots, landed)
+        finally:
+            del self._prefetches[c.op]
+        self._feed(ev.PrefetchDone(self._now(), c.op, landed))
+
+    async def _load(self, c: cmd.LoadBack) -> None:
+        failed = await self.checked.load(c)
         self._feed(ev.LoadDone(self._now(), c.op, failed))
 
     async def _backup(self, c: cmd.Backup) -> None:
-        await self.checked.backup(c)
-        self._feed(ev.BackupDone(self._now(), c.op))
+        failed = await self.checked.backup(c)
+        self._feed(ev.BackupDone(self._now(), c.op, failed))
 
     async def _store(self, c: cmd.Store) -> None:
+        """Write the pages that still check out; report every page L3 does not hold after."""
         keep = await self.checked.storable(c.host_slots)
+        missed: list[int] = []
         if keep:
             keys, slots = [c.keys[i] for i in keep], [c.host_slots[i] for i in keep]
-            await self.store.put(keys, self.l2, slots)
-        self._feed(ev.StoreDone(self._now(), c.op))
+            try:
+                missed = [keep[i] for i in await self.store.put(keys, self.l2, slots)]
+            except Exception:  # noqa: BLE001 - a store that fails holds none of them for sure
+                missed = keep
+        kept = set(keep) - set(missed)
+        failed = tuple(i for i in range(len(c.keys)) if i not in kept)
+        self._feed(ev.StoreDone(self._now(), c.op, failed))
 
     async def _timer(self, c: cmd.SetTimer) -> None:
         d = self.faults.take("timer", c.timer) if self.faults is not None else None
@@ -386,7 +421,7 @@ class DecodeService:
         live = self.live[c.req]
         if live.promised < 0:
             live.promised = c.start
-        prompt_len = self.core.requests[c.req].prompt_len  # the prompt of this admission
+        prompt_len = c.prompt_len  # the prompt of this admission
         page = self.cfg.page_size
         faults = self.faults
         d = faults.take("transfer", c.transfer) if faults is not None else None
@@ -565,15 +600,16 @@ class DecodeService:
 
     def _start(self, c: cmd.StartDecode) -> None:
         live = self.live[c.req]
-        r = self.core.requests[c.req]
-        live.kv_len = r.prompt_len
+        live.kv_len = c.prompt_len
+        live.slots = list(c.device_slots)
         slots = torch.tensor(c.device_slots, dtype=torch.int64)
         pages = self.l1.data[slots]
         live.past = from_pages(pages.cpu(), live.kv_len)
         if live.first_token_at < 0:
-            live.first_token_at = self._now()
+            live.first_token_at = c.ready_at  # its KV was complete then; the batch may have been full
             page = self.cfg.page_size
-            keys = r.keys
+            tokens = np.asarray(live.tokens[: c.prompt_len], dtype=np.int64)
+            keys = page_keys(tokens, page, live.seed).tolist()  # the keys the core gave its pages
             live.start_pages = [
                 {
                     "key": keys[i] if i < len(keys) else None,
@@ -588,6 +624,17 @@ class DecodeService:
         live.received = {}
         live.running = True
         self._decode_wake.set()
+
+    def _extend(self, c: cmd.ExtendKV) -> None:
+        live = self.live[c.req]
+        del live.slots[c.first_page :]
+        live.slots.extend(c.device_slots)
+
+    def _retract(self, c: cmd.Retract) -> None:
+        live = self.live[c.req]
+        live.running = False
+        live.past = None
+        live.slots = []
 
     async def _decode_loop(self) -> None:
         """One decode step for every running request per iteration, computed off the loop."""
@@ -631,7 +678,7 @@ class DecodeService:
             # resume the token at `pos` is part of the prompt whose KV prefill or the cache gives.
             live.gen.append(token)
             return
-        slot = self.core.device_slots(live.rid)[pos // page]
+        slot = live.slots[pos // page]  # granted by an ExtendKV while the core took the Decoded
         self.l1.data[slot, :, :, pos % page] = kv[:, :, 0].to(self.l1.data.dtype)
         live.past = torch.cat([live.past, kv], dim=2)  # type: ignore[list-item]
         live.kv_len = pos + 1
@@ -639,21 +686,13 @@ class DecodeService:
 
     def _respond(self, c: cmd.Respond) -> None:
         live = self.live[c.req]
-        r = self.core.requests[c.req]
-        a = r.account
-        live.account = {
-            "l1": a.l1,
-            "l2": a.l2,
-            "l3": a.l3,
-            "transferred": a.transferred,
-            "fallback": a.fallback,
-            "retractions": a.retractions,
-        }
-        live.outcome, live.reason = c.outcome, c.reason
+        live.account = attrs.asdict(c.account)
+        live.outcome, live.reason = str(c.outcome), c.reason
         if c.outcome == "finished" and live.past is not None:
             live.final_pages = [
                 page_digest(p)
                 for p in to_pages(live.past, self.cfg.page_size)[: live.kv_len // self.cfg.page_size]
             ]
         live.running = False
+        live.slots = []
         live.answer.set()

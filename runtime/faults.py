@@ -22,10 +22,13 @@ Corruption has to be caught by a layer that saw the bytes before they went bad:
   `PageGuard`: a checksum of every L2 page taken when the page was written (right after the
   backup's copy, or right after the verified L3 read) and checked on the L1 copy *after* the
   load-back — which covers L2 at rest and the copy itself — and on the L2 page before a store,
-  so bad bytes never reach L3. A page that fails fails its request's load (`LoadDone.failed`),
-  and the core re-requests those pages from prefill;
+  so bad bytes never reach L3. A page that fails is named in `LoadDone.failed`; the core
+  re-requests its request's pages from there on from prefill and drops the page from L2;
 - on the P->D link, against the digests prefill sends with every transfer: a received page that
   differs fails the transfer (`KVFailed`), which the core retries.
+
+Pages a backup did not copy, or that L3 did not write, are named in `BackupDone.failed` and
+`StoreDone.failed`, so the core never counts them as present.
 
 Corruption of L1 after the check (HBM at rest) is outside what this node can see: GPU memory has
 ECC for that.
@@ -35,7 +38,7 @@ from __future__ import annotations
 
 import functools
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -46,7 +49,7 @@ from hicache.core import commands as cmd
 from hicache.faults import Decision, FaultSpec, FaultSpecError, decide
 from hicache.runtime.copy_engine import CopyEngine
 from hicache.runtime.kv_pool import KVPool, PageIndices
-from hicache.runtime.storage.base import StorageBackend, StoreStats
+from hicache.runtime.storage.base import Progress, StorageBackend, StoreStats
 from hicache.runtime.storage.file_store import HEADER_SIZE
 
 _MIX = 0x9E3779B97F4A7C15  # odd: times an odd number stays odd
@@ -205,7 +208,9 @@ class FaultyStore:
             return d.prefix(n)
         return n
 
-    async def get(self, keys: Sequence[object], pool: KVPool, pages: PageIndices) -> int:
+    async def get(
+        self, keys: Sequence[object], pool: KVPool, pages: PageIndices, *, progress: Progress | None = None
+    ) -> int:
         d = self._take("l3_get")
         await self.faults.delay(d)
         if d is not None and len(keys):
@@ -215,26 +220,32 @@ class FaultyStore:
             if d.kind == "partial":
                 self.faults.applied(d)
                 k = d.prefix(len(keys))
-                return await self.inner.get(list(keys)[:k], pool, list(pages)[:k]) if k else 0
+                if not k:
+                    return 0
+                return await self.inner.get(list(keys)[:k], pool, list(pages)[:k], progress=progress)
             if d.kind == "corrupt":
                 await self._flip(d, keys)
-        return await self.inner.get(keys, pool, pages)
+        return await self.inner.get(keys, pool, pages, progress=progress)
 
-    async def put(self, keys: Sequence[object], pool: KVPool, pages: PageIndices) -> None:
+    async def put(self, keys: Sequence[object], pool: KVPool, pages: PageIndices) -> list[int]:
+        """The inner store's answer, plus every page the fault kept from being written."""
         d = self._take("l3_put")
         await self.faults.delay(d)
-        if d is None or not len(keys) or d.kind == "delay":
-            await self.inner.put(keys, pool, pages)
-        elif d.kind == "error":
+        n = len(keys)
+        if d is None or not n or d.kind == "delay":
+            return await self.inner.put(keys, pool, pages)
+        if d.kind == "error":
             self.faults.applied(d)
-        elif d.kind == "partial":
+            return list(range(n))
+        if d.kind == "partial":
             self.faults.applied(d)
-            k = d.prefix(len(keys))
-            if k:
-                await self.inner.put(list(keys)[:k], pool, list(pages)[:k])
-        else:  # corrupt: the page is written, then goes bad on disk
-            await self.inner.put(keys, pool, pages)
-            await self._flip(d, keys)
+            k = d.prefix(n)
+            missed = await self.inner.put(list(keys)[:k], pool, list(pages)[:k]) if k else []
+            return [*missed, *range(k, n)]
+        # corrupt: the page is written (so it counts as stored), then goes bad on disk
+        missed = await self.inner.put(keys, pool, pages)
+        await self._flip(d, keys)
+        return missed
 
     async def aclose(self) -> None:
         await self.inner.aclose()
@@ -266,9 +277,10 @@ class CheckedCopies:
     def _take(self, op: str, op_id: int) -> Decision | None:
         return self.faults.take(op, op_id) if self.faults is not None else None
 
-    async def load(self, c: cmd.LoadBack, owners: Mapping[int, str]) -> tuple[str, ...]:
-        """Copy a load-back's pages; return the requests (by `owners` of its device slots) whose
-        pages did not arrive intact."""
+    async def load(self, c: cmd.LoadBack) -> tuple[int, ...]:
+        """Copy a load-back's pages; return the pages (indices into the batch's pages in order)
+        that did not arrive intact: those a fault kept from being copied, and exactly those the
+        guard found different from what was written to L2."""
         host, device = list(c.host_slots), list(c.device_slots)
         n = len(host)
         copy = n
@@ -291,10 +303,12 @@ class CheckedCopies:
             if bad and self.faults is not None:
                 self.faults.caught["l2_page_rejected"] += len(bad)
             lost = bad + lost
-        return tuple(dict.fromkeys(owners[device[i]] for i in lost))
+        return tuple(sorted(set(lost)))
 
-    async def backup(self, c: cmd.Backup) -> None:
-        """Copy a backup's pages into L2 and record their checksums."""
+    async def backup(self, c: cmd.Backup) -> tuple[int, ...]:
+        """Copy a backup's pages into L2 and record their checksums; return the pages (indices
+        into the command's slots) that were not copied. A byte flipped after the copy (at rest)
+        is not a failed copy: the guard catches it when the page leaves L2."""
         device, host = list(c.device_slots), list(c.host_slots)
         n = len(host)
         copy, flip = n, None
@@ -314,6 +328,7 @@ class CheckedCopies:
             self.guard.forget(host[copy:])
         if flip is not None:
             flip_page_byte(self.l2, host[flip[0]], flip[1])  # after the checksum: bad at rest
+        return tuple(range(copy, n))
 
     async def prefetched(self, host_slots: Sequence[int], pages: int) -> None:
         """An L3 read filled the first `pages` of `host_slots` (the store verified them)."""

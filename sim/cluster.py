@@ -13,8 +13,6 @@ import numpy as np
 
 from hicache.core import commands as cmd
 from hicache.core.config import DecodeConfig
-from hicache.core.decode_node import DecodeNodeCore
-from hicache.core.errors import CoreError
 from hicache.faults import FaultSpec
 from hicache.results import RequestRecord, summarize
 from hicache.scenarios.workload import WorkItem
@@ -47,7 +45,6 @@ class ClusterSetup:
     storage_bandwidth: float = 10e9
     storage_latency: float = 2e-3
     storage_capacity_pages: int = 0
-    max_running: int = 256
     tick_interval: float = 0.002
     faults: FaultSpec | None = None  # injected into every decode node's operations
 
@@ -87,13 +84,12 @@ class Cluster:
             DecodeDriver(
                 i,
                 self.loop,
-                DecodeNodeCore(cfg),
+                cfg,
                 s.costs,
                 h2d=Channel(f"D{i}.h2d", s.host_bandwidth, s.host_latency),
                 d2h=Channel(f"D{i}.d2h", s.host_bandwidth, s.host_latency),
                 network=Channel(f"D{i}.net", s.network_bandwidth, s.network_latency),
                 store=store if cfg.storage else None,
-                max_running=s.max_running,
                 tick_interval=s.tick_interval,
                 on_response=self._respond,
                 faults=SimFaults(s.faults, i) if s.faults is not None else None,
@@ -108,7 +104,6 @@ class Cluster:
         self._progress: Callable[[int], None] | None = None
         self._sequential = False
         self._keys: Mapping[str, np.ndarray] | None = None
-        self._unforgotten: list[tuple[DecodeDriver, str]] = []  # ended, I/O still in flight
 
     def run(
         self,
@@ -135,7 +130,6 @@ class Cluster:
         start = time.perf_counter()
         self.loop.run()
         wall = time.perf_counter() - start
-        self._forget()
         for d in self.decode:
             d.core.check()
             if d.live or not d.core.idle:
@@ -183,7 +177,7 @@ class Cluster:
             item.session, [n.load for n in self.prefill], lambda i: self.prefill[i].peek(prompt)
         )
         d = self.decode_router.choose(
-            item.session, [n.load for n in self.decode], lambda i: self.decode[i].core.tree.peek(prompt)
+            item.session, [n.load for n in self.decode], lambda i: self.decode[i].core.cached_pages(prompt)
         )
         self._items[item.id] = item
         self._nodes[item.id] = (p, d)
@@ -200,25 +194,10 @@ class Cluster:
         if after is not None:
             self._arrive(after, arrivals, page, model)
 
-    def _forget(self) -> None:
-        kept = []
-        for driver, rid in self._unforgotten:
-            try:
-                driver.core.forget(rid)
-            except CoreError:
-                kept.append((driver, rid))
-        self._unforgotten = kept
-
     def _respond(self, live: LiveRequest, c: cmd.Respond) -> None:
         item = self._items.pop(live.rid)
         p, d = self._nodes.pop(live.rid)
-        driver = self.decode[d]
-        r = driver.core.requests[live.rid]
-        # A request that failed may still have I/O in flight (a prefetch, another transfer):
-        # the core forgets it once that has completed.
-        self._unforgotten.append((driver, live.rid))
-        self._forget()
-        a = r.account
+        a = c.account  # where the prompt's KV came from (the last admission)
         ok = c.outcome == "finished"
         ttft = live.first_token - live.arrival if live.first_token >= 0 else math.nan
         tpot = (

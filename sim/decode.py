@@ -1,11 +1,15 @@
 """A decode node in the simulator: the real core, its commands executed against cost models.
 
-The driver owns no cache decision. It feeds the core events (arrivals, scheduler ticks, I/O
-completions, decode progress) and turns each command into simulated time on the node's
-channels: load-backs on the host->device link, backups on device->host, prefetches and stores
-on the shared storage channel, KV increments on the node's network ingress once the prefill
-node has computed them. With `faults` (`hicache.sim.faults`) an operation may fail, fall short
-or come late, as the runtime's do when faults are injected there.
+The driver owns no cache decision and reads nothing of the core but what its commands and
+events carry. It feeds the core events (arrivals, scheduler ticks, I/O completions, decode
+progress) through a `Dispatcher`, whose table turns each command into simulated time on the
+node's channels: load-backs on the host->device link, backups on device->host, prefetches and
+stores on the shared storage channel, KV increments on the node's network ingress once the
+prefill node has computed them. With `faults` (`hicache.sim.faults`) an operation may fail, fall
+short or come late, as the runtime's do when faults are injected there.
+
+The batch limit (`DecodeConfig.max_running`) is the core's: it hands the driver a request
+(`StartDecode`) only when the batch has room, so the driver keeps no waiting queue.
 
 Decoding is fast-forwarded. A step of the running batch takes a(B) + b * S seconds (see
 `costs`); between changes of the batch's membership S grows by B per step, so the time of k
@@ -17,14 +21,15 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections import deque
 from collections.abc import Callable
 
 import attrs
 
 from hicache.core import commands as cmd
 from hicache.core import events as ev
+from hicache.core.config import DecodeConfig
 from hicache.core.decode_node import DecodeNodeCore
+from hicache.core.dispatch import Dispatcher
 from hicache.sim.channel import Channel, Transfer
 from hicache.sim.costs import NodeCosts, steps_time, steps_within
 from hicache.sim.engine import EventHandle, EventLoop
@@ -43,7 +48,7 @@ class LiveRequest:
     seq_keys: list[int]  # full-page keys of prompt + output
     arrival: float
     prefill: PrefillNode
-    first_token: float = -1.0  # the first StartDecode: prefill's token reaches the user
+    first_token: float = -1.0  # when the first StartDecode's KV was complete: prefill's token is out
     finished: float = -1.0
     made: int = 0  # output tokens generated (the first comes from prefill)
     reported: int = 0  # output tokens whose KV the core has been told about
@@ -58,40 +63,38 @@ class LiveRequest:
 
 
 class DecodeDriver:
+    """Executes one decode node's commands on the event loop and runs its decode batch."""
+
     def __init__(
         self,
         index: int,
         loop: EventLoop,
-        core: DecodeNodeCore,
+        config: DecodeConfig,
         costs: NodeCosts,
         *,
         h2d: Channel,
         d2h: Channel,
         network: Channel,
         store: SharedStore | None,
-        max_running: int,
         tick_interval: float,
         on_response: Callable[[LiveRequest, cmd.Respond], None],
         faults: SimFaults | None = None,
     ) -> None:
         self.index = index
         self.loop = loop
-        self.core = core
+        self.core = DecodeNodeCore(config)
         self.costs = costs
-        self.page = core.cfg.page_size
+        self.page = config.page_size
         self.kvb = costs.model.kv_bytes_per_token
+        self.page_bytes = self.page * self.kvb
         self.h2d, self.d2h, self.network = h2d, d2h, network
         self.store = store
-        self.max_running = max_running
         self.tick_interval = tick_interval
         self.on_response = on_response
         self.faults = faults
-        self.flush_every = max(self.page, core.cfg.decode_reserve_tokens)
+        self.flush_every = max(self.page, config.decode_reserve_tokens)
         self.live: dict[str, LiveRequest] = {}
-        self.core_events = 0
-        self._tick_due = False  # a Tick is scheduled
         self._prefetches: dict[int, tuple[cmd.Prefetch, Transfer, int, EventHandle]] = {}
-        self._transfer_req: dict[int, str] = {}
         # the decode batch
         self.steps = 0  # steps the batch has run, ever
         self.boundary = 0.0  # the time at which `steps` completed
@@ -102,13 +105,42 @@ class DecodeDriver:
         self._epoch: EventHandle | None = None
         self._epoch_k = 0
         self._joining: list[LiveRequest] = []
-        self._waiting: deque[LiveRequest] = deque()
+        self._in_epoch = False  # at a step boundary, handling it: a join waits for its end
         self._a_cache: dict[int, float] = {}
         self._b = costs.step_per_context_token
+        self.dispatcher = Dispatcher(
+            self.core,
+            {
+                cmd.Backup: self._backup,
+                cmd.Store: self._store,
+                cmd.QueryStorage: self._query,
+                cmd.Prefetch: self._prefetch,
+                cmd.CancelPrefetch: self._cancel_prefetch,
+                cmd.LoadBack: self._load_back,
+                cmd.RequestKV: self._request_kv,
+                cmd.SetTimer: self._set_timer,
+                cmd.Agree: self._agree,
+                cmd.StartDecode: self._start_decode,
+                cmd.ExtendKV: self._extend_kv,
+                cmd.Retract: self._retract,
+                cmd.Respond: self._respond,
+            },
+            f"simulator decode node {index}",
+        )
 
     @property
     def load(self) -> int:
         return len(self.live)
+
+    @property
+    def core_events(self) -> int:
+        """Events fed to the core so far."""
+        return self.dispatcher.events
+
+    @property
+    def running(self) -> int:
+        """Requests in the decode batch, including those joining at the next step boundary."""
+        return self.batch + len(self._joining)
 
     # ------------------------------------------------------------------ feeding the core
 
@@ -118,113 +150,110 @@ class DecodeDriver:
         self._feed(ev.RequestArrived(self.loop.now, live.rid, live.prompt_len, keys))
 
     def _feed(self, event: ev.Event) -> None:
-        self.core_events += 1
-        out = self.core.handle(event)
-        for c in out:
-            self._run(c)
-        if not isinstance(event, ev.Tick) and not self._tick_due:
-            self._tick_due = True
+        if self.dispatcher.feed(event):
             self.loop.call_after(self.tick_interval, self._on_tick)
 
     def _on_tick(self) -> None:
-        self._tick_due = False
         self._feed(ev.Tick(self.loop.now))
-
-    # ------------------------------------------------------------------ commands
-
-    def _run(self, c: cmd.Command) -> None:
-        now = self.loop.now
-        page_bytes = self.page * self.kvb
-        loop = self.loop
-        if isinstance(c, cmd.RequestKV):
-            live = self.live[c.req]
-            if live.promised_tokens < 0:
-                live.promised_tokens = c.start
-            self._transfer_req[c.transfer] = c.req
-            live.prefill.when_done(c.req, lambda: self._send(c))
-        elif isinstance(c, cmd.StartDecode):
-            self._join(self.live[c.req])
-        elif isinstance(c, cmd.LoadBack):
-            t = self.h2d.reserve(now, len(c.host_slots) * page_bytes)
-            failed: tuple[str, ...] = ()
-            delay = 0.0
-            if self.faults is not None:
-                failed, delay = self.faults.load(c, self._owners(c))
-            loop.call_at(t.done + delay, self._load_done, c.op, failed)
-        elif isinstance(c, cmd.Backup):
-            t = self.d2h.reserve(now, len(c.device_slots) * page_bytes)
-            delay = self.faults.backup(c) if self.faults is not None else 0.0
-            loop.call_at(t.done + delay, self._feed_at, ev.BackupDone, c.op)
-        elif isinstance(c, cmd.QueryStorage):
-            assert self.store is not None
-            hits = tuple((rid, self.store.prefix_hits(keys)) for rid, keys in c.queries)
-            delay = 0.0
-            if self.faults is not None:
-                hits, delay = self.faults.query(c.op, hits)
-            loop.call_at(now + self.store.channel.latency + delay, self._answer_query, c.op, hits)
-        elif isinstance(c, cmd.Prefetch):
-            assert self.store is not None
-            avail = self.store.prefix_hits(c.keys)
-            delay = 0.0
-            if self.faults is not None:
-                avail, delay = self.faults.prefetch(c, avail)
-            self.store.touch(c.keys[:avail])
-            t = self.store.channel.reserve(now, avail * page_bytes)
-            handle = loop.at(t.done + delay, self._prefetch_done, c.op)
-            self._prefetches[c.op] = (c, t, avail, handle)
-        elif isinstance(c, cmd.CancelPrefetch):
-            entry = self._prefetches.get(c.op)
-            if entry is not None:
-                _, t, avail, handle = entry
-                handle.cancel()
-                got = min(avail, int(avail * t.fraction_at(now)))
-                self.store.channel.cut(t, now)  # type: ignore[union-attr]
-                del self._prefetches[c.op]
-                loop.call_at(now, self._feed_prefetch_done, c.op, got)
-        elif isinstance(c, cmd.Store):
-            assert self.store is not None
-            t = self.store.channel.reserve(now, len(c.keys) * page_bytes)
-            keys, delay = self.faults.store(c) if self.faults is not None else (c.keys, 0.0)
-            loop.call_at(t.done + delay, self._store_done, c.op, keys)
-        elif isinstance(c, cmd.SetTimer):
-            at = self.faults.timer(c, now) if self.faults is not None else max(c.at, now)
-            loop.call_at(at, self._feed_at, ev.TimerFired, c.timer)
-        elif isinstance(c, cmd.Retract):
-            self._leave(self.live[c.req])
-        elif isinstance(c, cmd.Respond):
-            live = self.live.pop(c.req)
-            live.finished = now
-            job = live.prefill.jobs.get(c.req)
-            if job is not None:
-                live.prefill_cached = job.cached_tokens
-            live.prefill.release(c.req)
-            self.on_response(live, c)
-        else:  # Agree: the simulator runs one rank per node
-            raise NotImplementedError(f"the simulator does not execute {type(c).__name__}")
 
     def _feed_at(self, kind: type, op: int) -> None:
         self._feed(kind(self.loop.now, op))
 
-    def _owners(self, c: cmd.LoadBack) -> dict[int, str]:
-        """The request each device slot of a load-back belongs to."""
-        return {s: rid for rid in c.reqs for s in self.core.requests[rid].slots}
+    # ------------------------------------------------------------------ commands: copies and storage
 
-    def _load_done(self, op: int, failed: tuple[str, ...]) -> None:
+    def _load_back(self, c: cmd.LoadBack) -> None:
+        t = self.h2d.reserve(self.loop.now, len(c.host_slots) * self.page_bytes)
+        failed: tuple[int, ...] = ()
+        delay = 0.0
+        if self.faults is not None:
+            failed, delay = self.faults.load(c)
+        self.loop.call_at(t.done + delay, self._load_done, c.op, failed)
+
+    def _load_done(self, op: int, failed: tuple[int, ...]) -> None:
         self._feed(ev.LoadDone(self.loop.now, op, failed))
+
+    def _backup(self, c: cmd.Backup) -> None:
+        t = self.d2h.reserve(self.loop.now, len(c.device_slots) * self.page_bytes)
+        failed, delay = self.faults.backup(c) if self.faults is not None else ((), 0.0)
+        self.loop.call_at(t.done + delay, self._backup_done, c.op, failed)
+
+    def _backup_done(self, op: int, failed: tuple[int, ...]) -> None:
+        self._feed(ev.BackupDone(self.loop.now, op, failed))
+
+    def _query(self, c: cmd.QueryStorage) -> None:
+        assert self.store is not None
+        hits = tuple((rid, self.store.prefix_hits(keys)) for rid, keys in c.queries)
+        delay = 0.0
+        if self.faults is not None:
+            hits, delay = self.faults.query(c, hits)
+        self.loop.call_at(self.loop.now + self.store.channel.latency + delay, self._answer_query, c.op, hits)
 
     def _answer_query(self, op: int, hits: tuple[tuple[str, int], ...]) -> None:
         self._feed(ev.StorageQueried(self.loop.now, op, hits))
+
+    def _prefetch(self, c: cmd.Prefetch) -> None:
+        assert self.store is not None
+        avail = self.store.prefix_hits(c.keys)
+        delay = 0.0
+        if self.faults is not None:
+            avail, delay = self.faults.prefetch(c, avail)
+        self.store.touch(c.keys[:avail])
+        t = self.store.channel.reserve(self.loop.now, avail * self.page_bytes)
+        handle = self.loop.at(t.done + delay, self._prefetch_done, c.op)
+        self._prefetches[c.op] = (c, t, avail, handle)
 
     def _prefetch_done(self, op: int) -> None:
         _, _, avail, _ = self._prefetches.pop(op)
         self._feed(ev.PrefetchDone(self.loop.now, op, avail))
 
+    def _cancel_prefetch(self, c: cmd.CancelPrefetch) -> None:
+        """Cut the read short; one that has ended already is ignored (its done is on its way)."""
+        entry = self._prefetches.pop(c.op, None)
+        if entry is None:
+            return
+        now = self.loop.now
+        _, t, avail, handle = entry
+        handle.cancel()
+        got = min(avail, int(avail * t.fraction_at(now)))
+        self.store.channel.cut(t, now)  # type: ignore[union-attr]
+        self.loop.call_at(now, self._feed_prefetch_done, c.op, got)
+
     def _feed_prefetch_done(self, op: int, pages: int) -> None:
         self._feed(ev.PrefetchDone(self.loop.now, op, pages))
 
-    def _store_done(self, op: int, keys: tuple[int, ...]) -> None:
-        self.store.add(keys)  # type: ignore[union-attr]
-        self._feed(ev.StoreDone(self.loop.now, op))
+    def _store(self, c: cmd.Store) -> None:
+        assert self.store is not None
+        t = self.store.channel.reserve(self.loop.now, len(c.keys) * self.page_bytes)
+        written, delay = self.faults.store(c) if self.faults is not None else (c.keys, 0.0)
+        self.loop.call_at(t.done + delay, self._store_done, c, written)
+
+    def _store_done(self, c: cmd.Store, written: tuple[int, ...]) -> None:
+        """Storage holds `written` now; the Store's other pages are reported failed."""
+        self.store.add(written)  # type: ignore[union-attr]
+        held = set(written)
+        failed = tuple(i for i, k in enumerate(c.keys) if k not in held)
+        self._feed(ev.StoreDone(self.loop.now, c.op, failed))
+
+    def _set_timer(self, c: cmd.SetTimer) -> None:
+        now = self.loop.now
+        at = self.faults.timer(c, now) if self.faults is not None else max(c.at, now)
+        self.loop.call_at(at, self._feed_at, ev.TimerFired, c.timer)
+
+    def _agree(self, c: cmd.Agree) -> None:
+        raise NotImplementedError(
+            f"the simulator runs one TP rank per decode node (tp_size=1), so it cannot execute "
+            f"{type(c).__name__} #{c.agreement} ({c.kind})"
+        )
+
+    # ------------------------------------------------------------------ commands: P->D transfers
+
+    def _request_kv(self, c: cmd.RequestKV) -> None:
+        live = self.live[c.req]
+        if live.promised_tokens < 0:
+            live.promised_tokens = c.start
+        if self.faults is not None:
+            self.faults.issue_transfer(c)
+        live.prefill.when_done(c.req, lambda: self._send(c))
 
     def _send(self, c: cmd.RequestKV) -> None:
         """Prefill has the KV: ship [start, end) over this node's network ingress."""
@@ -243,12 +272,38 @@ class DecodeDriver:
         self.loop.call_at(t.done + delay, self._arrived, c.req, c.transfer)
 
     def _arrived(self, rid: str, tid: int) -> None:
-        self._transfer_req.pop(tid, None)
         self._feed(ev.KVArrived(self.loop.now, rid, tid))
 
     def _failed(self, rid: str, tid: int, reason: str) -> None:
-        self._transfer_req.pop(tid, None)
         self._feed(ev.KVFailed(self.loop.now, rid, tid, reason))
+
+    # ------------------------------------------------------------------ commands: the batch and answers
+
+    def _start_decode(self, c: cmd.StartDecode) -> None:
+        """The core made room for the request: it joins the batch at the next step boundary."""
+        live = self.live[c.req]
+        if live.first_token < 0:
+            live.first_token = c.ready_at  # prefill's token is out once the KV is complete
+            live.made = 1  # prefill's token
+        self._enter(live)
+
+    def _extend_kv(self, c: cmd.ExtendKV) -> None:
+        """New pages for a running request: the simulator models KV bytes, not where they go."""
+
+    def _retract(self, c: cmd.Retract) -> None:
+        self._leave(self.live[c.req])
+
+    def _respond(self, c: cmd.Respond) -> None:
+        """Record the answer, hand it on, then let the core forget the request (the core waits
+        by itself until no I/O refers to it)."""
+        live = self.live.pop(c.req)
+        live.finished = self.loop.now
+        job = live.prefill.jobs.get(c.req)
+        if job is not None:
+            live.prefill_cached = job.cached_tokens
+        live.prefill.release(c.req)
+        self.on_response(live, c)
+        self._feed(ev.ForgetRequested(self.loop.now, c.req))
 
     # ------------------------------------------------------------------ the decode batch
 
@@ -258,16 +313,11 @@ class DecodeDriver:
             a = self._a_cache[batch] = self.costs.step_constant(batch)
         return a
 
-    def _join(self, live: LiveRequest) -> None:
-        if live.first_token < 0:
-            live.first_token = self.loop.now
-            live.made = 1  # prefill's token
-        if self.batch + len(self._joining) >= self.max_running:
-            self._waiting.append(live)
-            return
-        self._enter(live)
-
     def _enter(self, live: LiveRequest) -> None:
+        if self._in_epoch:
+            # Started because a request finished at this boundary: it joins as the epoch ends.
+            self._joining.append(live)
+            return
         now = self.loop.now
         if self.batch == 0 and not self._joining:
             self.boundary = max(self.boundary, now)
@@ -306,9 +356,6 @@ class DecodeDriver:
         """Retracted: out of the batch; tokens without reported KV will be generated again."""
         if live in self._joining:
             self._joining.remove(live)
-            return
-        if live in self._waiting:
-            self._waiting.remove(live)
             return
         if not live.active:
             return
@@ -349,6 +396,7 @@ class DecodeDriver:
 
     def _on_epoch(self) -> None:
         self._epoch = None
+        self._in_epoch = True
         self._advance(self._epoch_k)
         self._epoch_k = 0
         self.boundary = max(self.boundary, self.loop.now)
@@ -362,9 +410,9 @@ class DecodeDriver:
         for live in fired:
             if live.active:
                 self._progress(live)
+        self._in_epoch = False
+        # Requests the core started meanwhile (a finish made room) joined `_joining`.
         joining, self._joining = self._joining, []
-        while self._waiting and self.batch + len(joining) < self.max_running:
-            joining.append(self._waiting.popleft())
         for live in joining:
             self._add(live)
         self._plan()
@@ -375,8 +423,8 @@ class DecodeDriver:
         page = self.page
         kv_tokens = live.made - 1  # the newest token's KV is computed by the next step
         new = kv_tokens - live.reported
-        r = self.core.requests[live.rid]
-        have = len(r.keys)
+        # The keys reported so far cover the full pages of the prompt and the reported tokens.
+        have = (live.prompt_len + live.reported) // page
         want = (live.prompt_len + kv_tokens) // page
         keys = live.seq_keys[have:want] if want > have else []
         live.reported = kv_tokens

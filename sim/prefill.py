@@ -22,6 +22,7 @@ import attrs
 
 from hicache.core.commands import Backup
 from hicache.core.pool import SlotPool
+from hicache.core.restore_cost import RestorePath, restore_pays
 from hicache.core.tree import TieredRadixTree
 from hicache.sim.channel import Channel
 from hicache.sim.costs import NodeCosts
@@ -119,8 +120,8 @@ class PrefillNode:
             device_slots = m.device_slots
             l1, l2 = m.device_pages, m.host_pages
             l3 = self.store.prefix_hits(job.keys, l1 + l2) if self.store is not None else 0
-            if l3 and self._l3_read_seconds(l3, now) > self.costs.prefill_seconds(
-                l3 * page, (l1 + l2) * page
+            if l3 and not restore_pays(
+                self._l3_read_seconds(l3, now), self.costs.prefill_seconds(l3 * page, (l1 + l2) * page)
             ):
                 l3 = 0  # storage is slower (or busier) than computing those pages again
             if l2:
@@ -138,11 +139,20 @@ class PrefillNode:
         self.loop.call_at(done, self._done, job, lock, device_slots)
 
     def _l3_read_seconds(self, pages: int, now: float) -> float:
-        """Queueing behind the storage channel's backlog, then the read and the host copy."""
+        """Queueing behind the storage channel's backlog, then the read and the host copy.
+
+        The same rule the decode core's adaptive promise uses (`RestorePath`), built from the
+        channels as they are now, so a prefill node and a decode node weigh a restore alike."""
         ch = self.store.channel  # type: ignore[union-attr]
         nbytes = pages * self.page * self.kvb
         queued = max(0.0, ch.free_at - now)
-        return queued + ch.latency + nbytes / ch.bandwidth + self.host.latency + nbytes / self.host.bandwidth
+        path = RestorePath(
+            latency=ch.latency,
+            bandwidth=ch.bandwidth,
+            hop_latency=self.host.latency,
+            hop_bandwidth=self.host.bandwidth,
+        )
+        return path.seconds(nbytes, queued)
 
     def _done(self, job: PrefillJob, lock: object, device_slots: list[int]) -> None:
         job.done_at = self.loop.now

@@ -118,6 +118,7 @@ def setups(scenario: Scenario) -> dict[str, ClusterSetup]:
                 l2,
                 storage=baseline == "l1_l2_l3",
                 radix=baseline != "no_decode_cache",
+                max_running=cl.max_running,
                 **estimates,
             )
         except ValueError as exc:
@@ -137,7 +138,6 @@ def setups(scenario: Scenario) -> dict[str, ClusterSetup]:
             storage_bandwidth=st.bandwidth,
             storage_latency=st.latency,
             storage_capacity_pages=st.capacity_tokens // page,
-            max_running=cl.max_running,
             tick_interval=cl.tick_interval,
             faults=scenario.faults,
         )

@@ -12,13 +12,18 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
 from hicache.core import commands as cmd
 from hicache.core import events as ev
+from hicache.core.account import Account
 from hicache.core.config import DecodeConfig
 from hicache.core.decode_node import DecodeNodeCore
+from hicache.core.dispatch import Dispatcher
+from hicache.core.errors import CoreError
 from hicache.core.pages import namespace_seed, page_keys
 
 SEED = namespace_seed("test-model")
@@ -29,6 +34,10 @@ class WrongKV(AssertionError):
 
 
 class World:
+    """Executes one core's commands against slot-identity hardware. Like a real driver it reads
+    nothing of the core but what its commands and events say (checked by `tests/test_layers.py`'s
+    driver rule)."""
+
     def __init__(self, config: DecodeConfig, *, core: DecodeNodeCore | None = None) -> None:
         self.cfg = config
         self.core = core or DecodeNodeCore(config)
@@ -37,7 +46,8 @@ class World:
         self.l2: list[object] = [None] * config.l2_pages
         self.l3: dict[int, object] = {}
         self.now = 0.0
-        self.tokens: dict[str, list[int]] = {}
+        self.tokens: dict[str, list[int]] = {}  # every token whose KV the core was told about
+        self.keys: dict[str, list[int]] = {}  # the page keys the core was given for them
         self.queries: dict[int, cmd.QueryStorage] = {}
         self.prefetches: dict[int, cmd.Prefetch] = {}
         self.prefetch_done_pages: dict[int, int] = {}
@@ -48,15 +58,51 @@ class World:
         self.timers: dict[int, float] = {}
         self.agrees: list[cmd.Agree] = []
         self.started: dict[str, int] = {}
+        self.slots: dict[str, list[int]] = {}  # a running request's pages (StartDecode, ExtendKV)
+        self.running: dict[str, None] = {}
         self.outcomes: dict[str, tuple[str, str]] = {}
+        self.accounts: dict[str, Account] = {}
         self.retracts: list[str] = []
         self.log: list[cmd.Command] = []
+        self.ids: set[int] = set()  # every command id handed out so far
+        self.observe: Callable[[cmd.Command], None] | None = None  # a test's check of each command
+        self.dispatcher = Dispatcher(self.core, self.handlers(), "test world")
+
+    def handlers(self) -> dict[type, Callable[[Any], None]]:
+        """The world's executor table (every command type), each handler shown to `observe` first."""
+        return {t: self._observed(h) for t, h in self._handlers().items()}
+
+    def _observed(self, handler: Callable[[Any], None]) -> Callable[[Any], None]:
+        def run(c: cmd.Command) -> None:
+            if self.observe is not None:
+                self.observe(c)
+            handler(c)
+
+        return run
+
+    def _handlers(self) -> dict[type, Callable[[Any], None]]:
+        return {
+            cmd.QueryStorage: lambda c: self._track(c.op, self.queries, c),
+            cmd.Prefetch: lambda c: self._track(c.op, self.prefetches, c),
+            cmd.CancelPrefetch: self.log.append,  # the test decides when the prefetch ends
+            cmd.LoadBack: self._on_load_back,
+            cmd.RequestKV: self._on_request_kv,
+            cmd.Backup: lambda c: self._track(c.op, self.backups, c),
+            cmd.Store: lambda c: self._track(c.op, self.stores, c),
+            cmd.SetTimer: self._on_set_timer,
+            cmd.Agree: self._on_agree,
+            cmd.StartDecode: self._on_start,
+            cmd.ExtendKV: self._on_extend,
+            cmd.Retract: self._on_retract,
+            cmd.Respond: self._on_respond,
+        }
 
     # ------------------------------------------------------------------ ground truth
 
     def truth(self, rid: str, i: int) -> object:
-        r = self.core.requests[rid]
-        return r.keys[i] if i < len(r.keys) else ("tail", rid, r.seq_len)
+        toks = self.tokens[rid]
+        keys = self.keys[rid]
+        return keys[i] if i < len(keys) else ("tail", rid, len(toks))
 
     def keys_of(self, tokens: list[int]) -> list[int]:
         return page_keys(np.asarray(tokens, dtype=np.int64), self.page, SEED).tolist()
@@ -64,48 +110,81 @@ class World:
     # ------------------------------------------------------------------ feeding
 
     def feed(self, event: ev.Event) -> list[cmd.Command]:
-        out = self.core.handle(event)
-        for c in out:
-            self.accept(c)
-        return out
+        """Feed the core one event (recording the page keys it is given) and execute its commands."""
+        mark = len(self.log)
+        if isinstance(event, ev.RequestArrived) and event.req not in self.keys:
+            self.keys[event.req] = list(event.keys)
+            try:
+                self.dispatcher.feed(event)
+            except CoreError:
+                del self.keys[event.req]
+                raise
+        else:
+            self.dispatcher.feed(event)
+            if isinstance(event, ev.Decoded):
+                self.keys[event.req] += event.new_keys
+        return self.log[mark:]
 
-    def accept(self, c: cmd.Command) -> None:
+    def _new_id(self, i: int) -> None:
+        assert i not in self.ids, f"command id {i} handed out twice"
+        self.ids.add(i)
+
+    def _track(self, op: int, where: dict, c: cmd.Command) -> None:
         self.log.append(c)
-        if isinstance(c, cmd.QueryStorage):
-            self.queries[c.op] = c
-        elif isinstance(c, cmd.Prefetch):
-            self.prefetches[c.op] = c
-        elif isinstance(c, cmd.CancelPrefetch):
-            pass  # the test decides when the prefetch ends
-        elif isinstance(c, cmd.LoadBack):
-            assert len(c.host_slots) == len(c.device_slots)
-            self.loads[c.op] = c
-        elif isinstance(c, cmd.RequestKV):
-            assert c.start % self.page == 0, c
-            assert len(c.dst_slots) == math.ceil(c.end / self.page) - c.start // self.page, c
-            self.transfers[c.transfer] = c
-        elif isinstance(c, cmd.Backup):
-            self.backups[c.op] = c
-        elif isinstance(c, cmd.Store):
-            self.stores[c.op] = c
-        elif isinstance(c, cmd.SetTimer):
-            self.timers[c.timer] = c.at
-        elif isinstance(c, cmd.Agree):
-            self.agrees.append(c)
-        elif isinstance(c, cmd.StartDecode):
-            self.check_kv(c.req, c.device_slots)
-            self.started[c.req] = self.started.get(c.req, 0) + 1
-        elif isinstance(c, cmd.Retract):
-            self.retracts.append(c.req)
-        elif isinstance(c, cmd.Respond):
-            assert c.req not in self.outcomes, f"{c.req} answered twice"
-            self.outcomes[c.req] = (c.outcome, c.reason)
-        else:  # pragma: no cover - a new command kind needs handling here
-            raise AssertionError(f"unhandled command {c!r}")
+        self._new_id(op)
+        where[op] = c
+
+    def _on_load_back(self, c: cmd.LoadBack) -> None:
+        for e in c.entries:
+            assert len(e.host_slots) == len(e.device_slots), c
+        self._track(c.op, self.loads, c)
+
+    def _on_request_kv(self, c: cmd.RequestKV) -> None:
+        assert c.start % self.page == 0, c
+        assert len(c.dst_slots) == math.ceil(c.end / self.page) - c.start // self.page, c
+        assert c.prompt_len == len(self.tokens[c.req]), c
+        self._track(c.transfer, self.transfers, c)
+
+    def _on_set_timer(self, c: cmd.SetTimer) -> None:
+        self.log.append(c)
+        self._new_id(c.timer)
+        assert c.kind is cmd.TimerKind.PREFETCH_TIMEOUT and c.op in self.prefetches, c
+        self.timers[c.timer] = c.at
+
+    def _on_agree(self, c: cmd.Agree) -> None:
+        self.log.append(c)
+        self._new_id(c.agreement)
+        self.agrees.append(c)
+
+    def _on_start(self, c: cmd.StartDecode) -> None:
+        self.log.append(c)
+        assert c.prompt_len == len(self.tokens[c.req]), c
+        self.check_kv(c.req, c.device_slots)
+        self.started[c.req] = self.started.get(c.req, 0) + 1
+        self.slots[c.req] = list(c.device_slots)
+        self.running[c.req] = None
+
+    def _on_extend(self, c: cmd.ExtendKV) -> None:
+        self.log.append(c)
+        assert c.req in self.running and c.first_page == len(self.slots[c.req]), c
+        self.slots[c.req] += c.device_slots
+
+    def _on_retract(self, c: cmd.Retract) -> None:
+        self.log.append(c)
+        self.retracts.append(c.req)
+        del self.running[c.req]
+        self.slots.pop(c.req, None)
+
+    def _on_respond(self, c: cmd.Respond) -> None:
+        self.log.append(c)
+        assert c.req not in self.outcomes, f"{c.req} answered twice"
+        self.outcomes[c.req] = (c.outcome, c.reason)
+        self.accounts[c.req] = c.account
+        self.running.pop(c.req, None)
+        self.slots.pop(c.req, None)
 
     def check_kv(self, rid: str, slots: tuple[int, ...]) -> None:
-        r = self.core.requests[rid]
-        want = math.ceil(r.seq_len / self.page)
+        want = math.ceil(len(self.tokens[rid]) / self.page)
         if len(slots) != want:
             raise WrongKV(f"{rid}: {len(slots)} pages handed to decode, {want} needed")
         for i, s in enumerate(slots):
@@ -124,6 +203,16 @@ class World:
         self.tokens[rid] = list(tokens)
         keys = self.keys_of(tokens)
         self.feed(ev.RequestArrived(self.now, rid, len(tokens), keys, priority))
+
+    def arrive_from_l3(self, rid: str, tokens: list[int]) -> int:
+        """Put every full page of `tokens` in L3 (as another node would have), let `rid`
+        arrive with them, and answer its L3 query in full; returns the query's op."""
+        self.l3.update((k, k) for k in self.keys_of(tokens))
+        self.arrive(rid, tokens)
+        self.tick()
+        (op,) = self.queries
+        self.answer_query(op)
+        return op
 
     def answer_query(self, op: int, cap: dict[str, int] | None = None) -> None:
         """Answer with the consecutive L3 hits (optionally capped per request)."""
@@ -162,17 +251,25 @@ class World:
         self.prefetch_done_pages[p.op] = done
         return done
 
-    def load_done(self, op: int, failed: tuple[str, ...] = ()) -> None:
-        """Complete a load-back; the pages of `failed` requests arrive as garbage, so a core
-        that used them anyway would hand wrong KV to the decode batch."""
+    def load_done(self, op: int, failed: tuple[str, ...] = (), *, bad_pages: tuple[int, ...] = ()) -> None:
+        """Complete a load-back. The pages of `failed` requests, and the batch's pages
+        `bad_pages`, arrive as garbage and are reported failed, so a core that used them anyway
+        would hand wrong KV to the decode batch."""
         c = self.loads.pop(op)
         for h, d in zip(c.host_slots, c.device_slots, strict=True):
             self.l1[d] = self.l2[h]
+        bad = set(bad_pages)
+        i = 0
+        for entry in c.entries:
+            if entry.req in failed:
+                bad.update(range(i, i + len(entry.device_slots)))
+            i += len(entry.device_slots)
         for rid in failed:
             assert rid in c.reqs, f"{rid} is not in load-back #{op}"
-            for d in set(self.core.requests[rid].slots) & set(c.device_slots):
-                self.l1[d] = ("garbage", op)
-        self.feed(ev.LoadDone(self.now, op, failed))
+        device = c.device_slots
+        for j in bad:
+            self.l1[device[j]] = ("garbage", op)
+        self.feed(ev.LoadDone(self.now, op, tuple(sorted(bad))))
 
     def kv_arrive(self, tid: int) -> None:
         c = self.transfers.pop(tid)
@@ -188,18 +285,21 @@ class World:
             self.l1[s] = ("garbage", "transfer", tid)
         self.feed(ev.KVFailed(self.now, c.req, tid, reason))
 
-    def backup_done(self, op: int) -> None:
+    def backup_done(self, op: int, failed: tuple[int, ...] = ()) -> None:
+        """Complete a backup; the pages `failed` (indices) land as garbage in L2."""
         c = self.backups.pop(op)
-        for d, h in zip(c.device_slots, c.host_slots, strict=True):
-            self.l2[h] = self.l1[d]
-        self.feed(ev.BackupDone(self.now, op))
+        for j, (d, h) in enumerate(zip(c.device_slots, c.host_slots, strict=True)):
+            self.l2[h] = ("garbage", "backup", op) if j in failed else self.l1[d]
+        self.feed(ev.BackupDone(self.now, op, failed))
 
-    def store_done(self, op: int) -> None:
+    def store_done(self, op: int, failed: tuple[int, ...] = ()) -> None:
+        """Complete a store; the pages `failed` (indices) are not written to L3."""
         c = self.stores.pop(op)
-        for key, h in zip(c.keys, c.host_slots, strict=True):
+        for j, (key, h) in enumerate(zip(c.keys, c.host_slots, strict=True)):
             assert self.l2[h] == key, f"store of page {key} from L2 slot {h} holding {self.l2[h]!r}"
-            self.l3[key] = self.l2[h]
-        self.feed(ev.StoreDone(self.now, op))
+            if j not in failed:
+                self.l3[key] = self.l2[h]
+        self.feed(ev.StoreDone(self.now, op, failed))
 
     def fire_timer(self, timer: int) -> None:
         at = self.timers.pop(timer)
@@ -207,17 +307,20 @@ class World:
         self.feed(ev.TimerFired(self.now, timer))
 
     def decode(self, rid: str, n: int, seed: int = 0) -> None:
-        r = self.core.requests[rid]
-        before = r.seq_len
+        before = len(self.tokens[rid])
         rng = np.random.default_rng(zlib.crc32(f"{rid}/{before}/{seed}".encode()))
         self.tokens[rid] += rng.integers(0, 50, n).tolist()
         keys = self.keys_of(self.tokens[rid])
         new_keys = keys[before // self.page :]
-        self.feed(ev.Decoded(self.now, rid, n, new_keys))
-        r = self.core.requests[rid]
-        if r.state.name == "RUNNING":  # the decoder writes the KV of the new tokens
-            for i in range(before // self.page, len(r.slots)):
-                self.l1[r.slots[i]] = self.truth(rid, i)
+        try:
+            self.feed(ev.Decoded(self.now, rid, n, new_keys))
+        except CoreError:
+            del self.tokens[rid][before:]  # refused: the core was not told about them
+            raise
+        if rid in self.running:  # the decoder writes the KV of the new tokens
+            slots = self.slots[rid]
+            for i in range(before // self.page, len(slots)):
+                self.l1[slots[i]] = self.truth(rid, i)
 
     def finish(self, rid: str) -> None:
         self.feed(ev.Finished(self.now, rid))
@@ -251,11 +354,14 @@ class World:
             for timer in sorted(self.timers):
                 self.fire_timer(timer)
                 progressed = True
-            for rid, r in list(self.core.requests.items()):
-                if r.state.name == "RUNNING":
-                    self.finish(rid)
-                    progressed = True
+            for rid in list(self.running):
+                self.finish(rid)
+                progressed = True
             self.tick()
             if not progressed and self.core.idle:
                 return
-        raise AssertionError("the node did not come to rest")
+        live = sorted(set(self.tokens) - set(self.outcomes))
+        raise AssertionError(
+            f"the node did not come to rest: unanswered {live}, running {list(self.running)}, "
+            f"audit {self.core.audit()}"
+        )

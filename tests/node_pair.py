@@ -44,10 +44,12 @@ async def node_pair(
     transfer_timeout: float = 30.0,
     fence_timeout: float = 5.0,
     decode_engine: Callable[[], TcpEngine] = lambda: TcpEngine(name="decode"),
+    config: dict[str, Any] | None = None,
 ) -> AsyncIterator[NodePair]:
+    """`config` overrides fields of the decode node's `DecodeConfig`."""
     model = TinyModel(TinyConfig())
     layout = layout_for(model.config, PAGE)
-    config = DecodeConfig(
+    core = DecodeConfig(
         l1_pages=64,
         l2_pages=64,
         page_size=PAGE,
@@ -56,6 +58,7 @@ async def node_pair(
         decode_reserve_tokens=2 * PAGE,
         transfer_retries=retries,
     )
+    core = attrs.evolve(core, **(config or {}))
     spec = FaultSpec.parse(faults) if faults is not None else None
     async with (
         TcpEngine(name="prefill") as p_engine,
@@ -66,7 +69,7 @@ async def node_pair(
         listeners = await nursery.start(prefill.serve, 0)
         store = FileStore(tmp_path / "l3", layout)
         service = DecodeService(
-            config,
+            core,
             model,
             layout,
             store,

@@ -11,6 +11,7 @@ from typing import Any
 import attrs
 import numpy as np
 import pytest
+from builders import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -66,7 +67,7 @@ def _summary(**metrics: float | None) -> dict[str, Any]:
     limits=st.lists(st.floats(0.01, 100.0), min_size=2, max_size=5),
     tol=st.sampled_from([0.02, 0.05, 0.2]),
 )
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 def test_capacity_on_a_monotone_load_is_the_last_grid_step_that_passes(
     knee: float, steep: float, limits: list[float], tol: float
 ) -> None:
@@ -91,7 +92,7 @@ def test_capacity_on_a_monotone_load_is_the_last_grid_step_that_passes(
 
 
 @given(verdicts=st.lists(st.booleans(), min_size=2, max_size=200))
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 def test_capacity_is_a_scale_that_passed_even_when_the_load_is_not_monotone(verdicts: list[bool]) -> None:
     grid = scale_grid(0.1, 10.0, TOL)
     by_scale = {s: verdicts[i % len(verdicts)] for i, s in enumerate(grid)}
@@ -171,7 +172,7 @@ def _scenario(workload: dict[str, Any]) -> Scenario:
     ],
 )
 @given(scale=st.floats(0.05, 50.0))
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=examples(10), deadline=None)
 def test_scaling_moves_arrivals_and_nothing_else(workload: dict[str, Any], scale: float) -> None:
     base = build_workload(_scenario(workload))
     scaled = build_workload(scale_workload(_scenario(workload), scale))

@@ -1,4 +1,5 @@
-"""Scenario tests, one group per fault of the reference implementation (DESIGN.md section 1).
+"""Scenario tests, one group per fault of the reference implementation (docs/architecture.md,
+"Six faults of the reference implementation").
 
 Each scenario drives a decode-node core inside the ground-truth `World` of `kvworld`: the world
 executes the core's commands against a model of slot contents and raises `WrongKV` if a request
@@ -14,6 +15,8 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from builders import decode_config
+from builders import prompt as tokens
 from kvworld import World
 
 from hicache.core import commands as cmd
@@ -27,22 +30,8 @@ PAGE = 4
 
 
 def config(**kw: Any) -> DecodeConfig:
-    """Small pages and tiers so every scenario fits in a few dozen slots. The prefetch threshold
-    is 2 pages and every request reserves 1 page for decoding unless a test says otherwise."""
-    base: dict[str, Any] = dict(
-        l1_pages=40,
-        l2_pages=40,
-        page_size=PAGE,
-        prefetch_threshold_tokens=2 * PAGE,
-        decode_reserve_tokens=PAGE,
-    )
-    base.update(kw)
-    return DecodeConfig(**base)
-
-
-def tokens(seed: int, n: int) -> list[int]:
-    """A prompt of `n` tokens that shares nothing with the prompts of other seeds."""
-    return [seed * 100_000 + i for i in range(n)]
+    """Small tiers so every scenario fits in a few dozen slots (`tests/builders.py`)."""
+    return decode_config(**{"l1_pages": 40, "l2_pages": 40, **kw})
 
 
 def cmds(w: World, kind: type, since: int = 0) -> list[Any]:
@@ -367,6 +356,43 @@ def test_failed_load_back_falls_back_to_prefill() -> None:
     assert rb.pin is None
     w.settle()
     assert w.outcomes["b"] == ("finished", "")
+    assert_clean(w)
+
+
+def test_a_bad_l2_page_falls_back_from_that_page_and_is_dropped_once() -> None:
+    """A load-back finds page 2 of a 5-page L2 span bad: the request keeps pages 0-1, asks
+    prefill for pages 2-4, and the tree drops page 2 (and the L2 copies below it), so a request
+    arriving meanwhile with the same prompt loads only the 2 good pages and never reads the bad
+    one again."""
+    w = World(config(storage=False))
+    base = tokens(15, 20)  # 5 full pages
+    w.arrive("a", base + [3])
+    run_to_decode(w, "a")
+    finish_and_back_up(w, "a")
+    w.feed(ev.EvictRequested(w.now, 5))  # a's pages leave L1 and stay on L2
+    assert w.core.tree.host_pages == 5 and w.core.tree.device_pages == 0
+
+    w.arrive("b", base + [4, 4])
+    mark = len(w.log)
+    w.tick()
+    load = only(w, cmd.LoadBack, mark)
+    assert len(load.host_slots) == 5
+    w.load_done(load.op, bad_pages=(2,))
+    (fallback,) = transfers_of(w, "b", mark)[1:]
+    assert (fallback.start, fallback.end) == (8, 20)
+    assert w.core.stats.bad_l2_pages == 1 and w.core.tree.stats.host_dropped == 3
+    assert w.core.tree.host_pages == 2
+
+    w.arrive("c", base + [5])
+    mark = len(w.log)
+    w.tick()
+    assert len(only(w, cmd.LoadBack, mark).host_slots) == 2  # the bad page is not read again
+    run_to_decode(w, "b")
+    run_to_decode(w, "c")
+    w.settle()
+    assert w.accounts["b"].l2 == 8 and w.accounts["b"].fallback == 12
+    assert w.accounts["c"].l2 == 8
+    assert w.outcomes["b"] == w.outcomes["c"] == ("finished", "")
     assert_clean(w)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from builders import decode_config
 from kvworld import World
 
 from hicache.core import commands as cmd
@@ -18,10 +19,8 @@ from hicache.core.states import TERMINAL, TRANSITIONS, State, mermaid
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def cfg(**kw) -> DecodeConfig:
-    base = dict(l1_pages=64, l2_pages=64, page_size=4, decode_reserve_tokens=8, prefetch_threshold_tokens=8)
-    base.update(kw)
-    return DecodeConfig(**base)
+def cfg(**kw: object) -> DecodeConfig:
+    return decode_config(**{"decode_reserve_tokens": 8, "prefetch_threshold_tokens": 8, **kw})
 
 
 def of(kind: type, out: list) -> list:
@@ -35,7 +34,7 @@ def test_documented_diagram_is_the_transition_table() -> None:
 
 def test_every_live_state_can_be_aborted_and_terminal_states_absorb_late_completions() -> None:
     for state, moves in TRANSITIONS.items():
-        assert "AbortRequested" in moves, state
+        assert ev.AbortRequested in moves, state
         if state in TERMINAL:
             assert all(nxt is state for nxt in moves.values())
     assert set(TRANSITIONS) == set(State)
@@ -135,18 +134,17 @@ def test_without_a_radix_every_prompt_is_transferred_whole_and_nothing_is_kept()
         cfg(radix=False)  # storage and L2 make no sense without a tree
 
 
-def test_forget_drops_only_ended_requests_without_io() -> None:
+def test_forget_drops_an_ended_request_once_its_io_ends() -> None:
     w = World(cfg(storage=False))
     w.arrive("a", list(range(10)))
     (kv,) = of(cmd.RequestKV, w.tick())
     with pytest.raises(CoreError, match="has not ended"):
-        w.core.forget("a")
+        w.feed(ev.ForgetRequested(w.now, "a"))
     w.abort("a")  # the transfer is still writing into the request's slots
-    with pytest.raises(CoreError, match="still has I/O in flight"):
-        w.core.forget("a")
+    w.feed(ev.ForgetRequested(w.now, "a"))
+    assert "a" in w.core.requests  # kept, holding nothing, until the transfer ends
     w.kv_arrive(kv.transfer)
-    assert w.core.forget("a").outcome == "aborted"
     assert "a" not in w.core.requests
-    with pytest.raises(CoreError, match="has not ended"):
-        w.core.forget("a")
+    with pytest.raises(CoreError, match="unknown request"):
+        w.feed(ev.ForgetRequested(w.now, "a"))
     w.core.check()

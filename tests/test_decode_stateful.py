@@ -23,6 +23,7 @@ import itertools
 import random
 
 import hypothesis.strategies as st
+from builders import examples
 from hypothesis import HealthCheck, event, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from kvworld import World
@@ -109,19 +110,14 @@ class DecodeNodeMachine(RuleBasedStateMachine):
         self.rounds = 0  # `advance` rounds so far (every third completes I/O newest first)
         self.ids = itertools.count()
         self.progress: dict[int, int] = {}  # prefetch op -> pages written to L2 and reported
+        self.l3_dropped: set[int] = set()  # keys L3 lost behind the node's back
         self.abandoned: set[int] = set()  # transfers given up on, still writing until they end
         self.locked: dict[str, tuple[int, dict[int, object]]] = {}  # rid -> (admission, locked L1 KV)
         self.steady = True  # every step so far passed its checks (teardown then checks the end)
         if cfg.storage and data.draw(st.booleans(), label="warm L3"):
             for tokens in self.prefixes:  # other nodes served these prefixes before
                 self.world.l3.update((k, k) for k in self.world.keys_of(tokens))
-        accept = self.world.accept
-
-        def accept_checked(c: cmd.Command) -> None:
-            self._check_command(c)
-            accept(c)
-
-        self.world.accept = accept_checked  # type: ignore[method-assign]
+        self.world.observe = self._check_command
 
     # ------------------------------------------------------------------ helpers
 
@@ -349,7 +345,9 @@ class DecodeNodeMachine(RuleBasedStateMachine):
         self._begin()
         w = self.world
         wanted = {k for op, p in w.prefetches.items() for k in p.keys[self.progress.get(op, 0) :]} & set(w.l3)
-        del w.l3[_pick(data, wanted if wanted and data.draw(st.booleans(), label="wanted") else w.l3, "key")]
+        key = _pick(data, wanted if wanted and data.draw(st.booleans(), label="wanted") else w.l3, "key")
+        del w.l3[key]
+        self.l3_dropped.add(key)
 
     @precondition(lambda self: self.world.prefetches)
     @rule(data=st.data())
@@ -383,14 +381,20 @@ class DecodeNodeMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.world.loads)
     @rule(data=st.data())
     def load_done(self, data: st.DataObject) -> None:
-        """A load-back ends, now and then with some requests' pages lost (garbage in L1)."""
+        """A load-back ends, now and then with some requests' pages lost, or single pages bad
+        (garbage in L1)."""
         self._begin()
         op = _pick(data, self.world.loads, "op")
-        reqs = self.world.loads[op].reqs
+        load = self.world.loads[op]
         failed: list[str] = []
-        if data.draw(st.integers(0, 2), label="fail") == 0:
-            failed = data.draw(st.lists(st.sampled_from(reqs), min_size=1, unique=True), label="failed")
-        self.world.load_done(op, tuple(failed))
+        bad: list[int] = []
+        kind = data.draw(st.integers(0, 3), label="fail")
+        if kind == 0:
+            failed = data.draw(st.lists(st.sampled_from(load.reqs), min_size=1, unique=True), label="failed")
+        elif kind == 1 and load.device_slots:
+            pages = st.integers(0, len(load.device_slots) - 1)
+            bad = data.draw(st.lists(pages, min_size=1, max_size=3, unique=True), label="bad pages")
+        self.world.load_done(op, tuple(failed), bad_pages=tuple(bad))
 
     @precondition(lambda self: self.world.transfers)
     @rule(data=st.data())
@@ -424,14 +428,26 @@ class DecodeNodeMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.world.backups)
     @rule(data=st.data())
     def backup_done(self, data: st.DataObject) -> None:
+        """A backup ends, now and then with some pages not copied (garbage left in L2)."""
         self._begin()
-        self.world.backup_done(_pick(data, self.world.backups, "op"))
+        w = self.world
+        op = _pick(data, w.backups, "op")
+        self.world.backup_done(op, self._failed_pages(data, len(w.backups[op].host_slots)))
 
     @precondition(lambda self: self.world.stores)
     @rule(data=st.data())
     def store_done(self, data: st.DataObject) -> None:
+        """A store ends, now and then with some pages not written to L3."""
         self._begin()
-        self.world.store_done(_pick(data, self.world.stores, "op"))
+        w = self.world
+        op = _pick(data, w.stores, "op")
+        self.world.store_done(op, self._failed_pages(data, len(w.stores[op].keys)))
+
+    def _failed_pages(self, data: st.DataObject, n: int) -> tuple[int, ...]:
+        if n == 0 or data.draw(st.integers(0, 3), label="io fails") != 0:
+            return ()
+        pages = st.lists(st.integers(0, n - 1), min_size=1, max_size=n, unique=True)
+        return tuple(sorted(data.draw(pages, label="failed pages")))
 
     # ------------------------------------------------------------------ checks
 
@@ -445,6 +461,9 @@ class DecodeNodeMachine(RuleBasedStateMachine):
             if n.host is not None and not n.host_pending:
                 for k, h in zip(n.keys, n.host, strict=True):
                     assert w.l2[h] == k, f"tree page {k} in L2 slot {h} holds {w.l2[h]!r}"
+            if n.in_l3:  # L3 may drop a page behind the node's back (`l3_drop`), never hold a bad one
+                for k in n.keys:
+                    assert w.l3.get(k) == k or k in self.l3_dropped, f"tree page {k} marked in L3, not there"
 
     def _check_locked(self) -> None:
         """An admitted request's shared L1 prefix (locked at admission) keeps its slots, their
@@ -557,15 +576,13 @@ class DecodeNodeMachine(RuleBasedStateMachine):
         for _ in range(100):
             if core.tree.num_nodes == 0:
                 break
-            core.tree.evict_device(10**9)
-            for c in core.tree.drain():
-                w.accept(c)
+            w.feed(ev.EvictRequested(w.now, 10**9))
             while w.backups or w.stores:
                 for op in sorted(w.backups):
                     w.backup_done(op)
                 for op in sorted(w.stores):
                     w.store_done(op)
-            core.tree.evict_host(10**9)
+            w.feed(ev.EvictRequested(w.now, 0, 10**9))
         core.check()
         assert core.tree.num_nodes == 0
         assert core.device_pool.num_free == core.device_pool.capacity, "L1 slots leaked"
@@ -574,7 +591,7 @@ class DecodeNodeMachine(RuleBasedStateMachine):
 
 TestDecodeNode = DecodeNodeMachine.TestCase
 TestDecodeNode.settings = settings(
-    max_examples=1000,
+    max_examples=examples(1000),
     stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],

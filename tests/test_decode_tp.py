@@ -6,7 +6,8 @@ shard of L3 holds, and how far its prefetch got and when. Each `Agree` is answer
 collective would be: once every rank has entered it, every rank receives the minimum of each
 value. Because the core decides only on agreed values, every rank must emit the same commands
 in the same order, collectives included; otherwise ranks deadlock in mismatched collectives
-(fault 2 of DESIGN.md section 1) or restore different KV.
+(fault 2 of "Six faults of the reference implementation" in docs/architecture.md) or restore
+different KV.
 """
 
 from __future__ import annotations
@@ -16,11 +17,13 @@ from typing import Any
 
 import attrs
 import hypothesis.strategies as st
+from builders import decode_config, examples
+from builders import prompt as tokens
 from hypothesis import HealthCheck, Phase, given, settings
 from kvworld import World
+from lockstep import Lockstep
 
 from hicache.core import commands as cmd
-from hicache.core import events as ev
 from hicache.core.config import DecodeConfig
 from hicache.core.states import State
 
@@ -29,147 +32,10 @@ RANKS = 3
 
 
 def config(**kw: Any) -> DecodeConfig:
-    base: dict[str, Any] = dict(
-        l1_pages=64,
-        l2_pages=64,
-        page_size=PAGE,
-        prefetch_threshold_tokens=2 * PAGE,
-        decode_reserve_tokens=PAGE,
-        tp_size=RANKS,
-    )
-    base.update(kw)
-    return DecodeConfig(**base)
+    return decode_config(**{"tp_size": RANKS, **kw})
 
 
-def tokens(seed: int, n: int) -> list[int]:
-    return [seed * 100_000 + i for i in range(n)]
-
-
-def shape(c: cmd.Command) -> object:
-    """What must be identical across ranks: everything, except the values of an `Agree`."""
-    if isinstance(c, cmd.Agree):
-        return ("Agree", c.agreement, c.kind, tuple(k for k, _ in c.values))
-    return c
-
-
-class Ranks:
-    """N worlds, one per TP rank, driven in lockstep, with collectives answered by minimum."""
-
-    def __init__(self, cfg: DecodeConfig) -> None:
-        self.worlds = [World(cfg) for _ in range(cfg.tp_size)]
-        self.seen = 0  # commands of the logs already compared
-        self.agreed: set[int] = set()
-        self.cancelled: set[int] = set()  # prefetches some rank was told to cancel
-
-    @property
-    def lead(self) -> World:
-        return self.worlds[0]
-
-    def core(self, rank: int = 0) -> Any:
-        return self.worlds[rank].core
-
-    # ------------------------------------------------------------------ checks
-
-    def check_same(self) -> None:
-        """Every rank has emitted the same commands (collective ids, kinds and keys included)."""
-        start = self.seen
-        logs = [[shape(c) for c in w.log[start:]] for w in self.worlds]
-        for rank, log in enumerate(logs[1:], start=1):
-            if log != logs[0]:
-                i = next((i for i, (a, b) in enumerate(zip(logs[0], log, strict=False)) if a != b), None)
-                if i is None:
-                    i = min(len(log), len(logs[0]))
-                raise AssertionError(
-                    f"rank {rank} diverges from rank 0 at command {start + i}:\n"
-                    f"  rank 0: {logs[0][i : i + 3]}\n  rank {rank}: {log[i : i + 3]}"
-                )
-        for c in self.lead.log[start:]:
-            if isinstance(c, cmd.CancelPrefetch):
-                self.cancelled.add(c.op)
-        self.seen += len(logs[0])
-
-    # ------------------------------------------------------------------ shared events
-
-    def each(self, method: str, *args: Any) -> None:
-        for w in self.worlds:
-            getattr(w, method)(*args)
-        self.check_same()
-
-    def tick(self) -> None:
-        mark = len(self.lead.log)
-        for w in self.worlds:
-            w.tick()
-        self.check_same()
-        kinds = [c.kind for c in self.lead.log[mark:] if isinstance(c, cmd.Agree)]
-        assert len(kinds) == len(set(kinds)), f"more than one collective of a kind in a tick: {kinds}"
-        self.collect()
-
-    def collect(self) -> None:
-        """Answer every collective all ranks have entered: each value is the minimum over ranks."""
-        open_: list[dict[int, cmd.Agree]] = []
-        for w in self.worlds:
-            open_.append({a.agreement: a for a in w.agrees if a.agreement not in self.agreed})
-            w.agrees.clear()
-        ids = sorted(open_[0])
-        for aid in ids:
-            calls = [o[aid] for o in open_]
-            assert len({(c.kind, tuple(k for k, _ in c.values)) for c in calls}) == 1, calls
-            values = tuple((key, min(dict(c.values)[key] for c in calls)) for key, _ in calls[0].values)
-            self.agreed.add(aid)
-            for w in self.worlds:
-                w.feed(ev.Agreed(w.now, aid, values))
-        self.check_same()
-
-    def shared_ops(self, attr: str) -> list[int]:
-        """The open operations of a shared kind; they must be the same on every rank."""
-        ops = [sorted(getattr(w, attr)) for w in self.worlds]
-        assert all(o == ops[0] for o in ops), (attr, ops)
-        return ops[0]
-
-    def complete_shared(self) -> None:
-        for op in self.shared_ops("loads"):
-            self.each("load_done", op)
-        for tid in self.shared_ops("transfers"):
-            self.each("kv_arrive", tid)
-        for op in self.shared_ops("backups"):
-            self.each("backup_done", op)
-        for op in self.shared_ops("stores"):
-            self.each("store_done", op)
-
-    def running(self) -> list[str]:
-        states = [{k: r.state for k, r in w.core.requests.items()} for w in self.worlds]
-        assert all(s == states[0] for s in states), states
-        return [k for k, s in states[0].items() if s is State.RUNNING]
-
-    def rest(self, rounds: int = 200) -> None:
-        """Complete everything (rank-local ops too, with each rank's full L3) and finish every
-        running request until all ranks are idle."""
-        for _ in range(rounds):
-            for w in self.worlds:
-                for op in sorted(w.queries):
-                    w.answer_query(op)
-                for op in sorted(w.prefetches):
-                    w.prefetch_done(op)
-            self.complete_shared()
-            for op in self.shared_ops("timers"):
-                self.each("fire_timer", op)
-            for rid in self.running():
-                self.each("finish", rid)
-            self.tick()
-            idle = [w.core.idle for w in self.worlds]
-            assert all(i == idle[0] for i in idle)
-            if idle[0]:
-                break
-        else:
-            raise AssertionError("the ranks did not come to rest")
-        for w in self.worlds:
-            w.core.check()
-            assert w.core.tree.live_locks == [] and w.core.tree.live_pins == []
-        outcomes = [w.outcomes for w in self.worlds]
-        assert all(o == outcomes[0] for o in outcomes)
-
-
-def put_in_l3(r: Ranks, toks: list[int]) -> None:
+def put_in_l3(r: Lockstep, toks: list[int]) -> None:
     for w in r.worlds:
         for k in w.keys_of(toks):
             w.l3[k] = k
@@ -183,7 +49,7 @@ def of(w: World, kind: type, since: int = 0) -> list[Any]:
 
 
 def test_ranks_with_different_l3_hits_prefetch_and_promise_the_agreed_minimum() -> None:
-    r = Ranks(config(prefetch_policy="wait_complete"))
+    r = Lockstep(config(prefetch_policy="wait_complete"))
     toks = tokens(1, 34)  # 8 full pages and a 2-token tail, all in every rank's L3
     put_in_l3(r, toks)
     r.each("arrive", "a", toks)
@@ -230,7 +96,7 @@ def test_ranks_with_different_l3_hits_prefetch_and_promise_the_agreed_minimum() 
     assert kinds.count("l3_hits") == 2
 
 
-def start_prefetch(r: Ranks, rid: str, toks: list[int]) -> cmd.Prefetch:
+def start_prefetch(r: Lockstep, rid: str, toks: list[int]) -> cmd.Prefetch:
     """Put `toks` in every rank's L3, let `rid` arrive, answer its L3 query on every rank in
     full, and return the prefetch all ranks then start."""
     put_in_l3(r, toks)
@@ -245,7 +111,7 @@ def start_prefetch(r: Ranks, rid: str, toks: list[int]) -> cmd.Prefetch:
 
 
 def test_prefetch_shortfall_on_one_rank_trims_every_rank() -> None:
-    r = Ranks(config(prefetch_policy="timeout"))
+    r = Lockstep(config(prefetch_policy="timeout"))
     toks = tokens(2, 26)  # 6 full pages
     pf = start_prefetch(r, "a", toks)
     (timer,) = of(r.lead, cmd.SetTimer)
@@ -269,7 +135,7 @@ def test_prefetch_shortfall_on_one_rank_trims_every_rank() -> None:
 def test_abort_while_one_rank_has_finished_its_prefetch() -> None:
     """An abort is shared; whether a rank's prefetch had already ended is rank-local. The
     ranks must still emit the same commands."""
-    r = Ranks(config(prefetch_policy="wait_complete"))
+    r = Lockstep(config(prefetch_policy="wait_complete"))
     toks = tokens(3, 26)
     pf = start_prefetch(r, "a", toks)
     r.worlds[0].prefetch_done(pf.op)  # rank 0's read is complete, the others are still reading
@@ -329,8 +195,8 @@ NO_SHRINK = [Phase.explicit, Phase.reuse, Phase.generate]
 
 def run_plans(
     plans_: list[Plan], policy: str, timer_at: int | None, l1: int, seed: int, aborts: bool
-) -> Ranks:
-    r = Ranks(config(prefetch_policy=policy, l1_pages=l1, transfer_retries=1))
+) -> Lockstep:
+    r = Lockstep(config(prefetch_policy=policy, l1_pages=l1, transfer_retries=1))
     rng = random.Random(seed)
     prompts: dict[str, list[int]] = {}
     prev: list[int] = []
@@ -377,12 +243,7 @@ def run_plans(
                 r.each("kv_fail", tid)
             else:
                 r.each("kv_arrive", tid)
-        for op in r.shared_ops("loads"):
-            r.each("load_done", op)
-        for op in r.shared_ops("backups"):
-            r.each("backup_done", op)
-        for op in r.shared_ops("stores"):
-            r.each("store_done", op)
+        r.complete_shared(transfers=False)
         if timer_at is not None and step >= timer_at:
             for t in r.shared_ops("timers"):
                 r.each("fire_timer", t)
@@ -406,7 +267,7 @@ def run_plans(
 
 
 @settings(
-    max_examples=150,
+    max_examples=examples(150),
     deadline=None,
     phases=NO_SHRINK,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],

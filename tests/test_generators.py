@@ -7,6 +7,7 @@ from collections import defaultdict
 import hypothesis.strategies as st
 import numpy as np
 import pytest
+from builders import examples
 from hypothesis import given, settings
 
 from hicache.scenarios.generators import AgenticLoop, SharedPrefix
@@ -63,7 +64,7 @@ def in_span(n: int, span: tuple[int, int]) -> bool:
     return span[0] <= n <= span[1]
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(agentic_loops)
 def test_agentic_steps_grow_the_session_context(gen: AgenticLoop) -> None:
     requests = gen.generate()
@@ -90,7 +91,7 @@ def test_agentic_steps_grow_the_session_context(gen: AgenticLoop) -> None:
             assert int(r.prompt.max(initial=0)) < gen.vocab and int(r.prompt.min(initial=0)) >= 0
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(shared_prefixes)
 def test_shared_prefix_groups_share_only_their_system_prompt(gen: SharedPrefix) -> None:
     requests = gen.generate()

@@ -1,74 +1,158 @@
 """The house rules of the layers, read from the source text (nothing is imported).
 
-hicache/core/ imports only the standard library's pure parts, attrs, numpy and numba;
-sim/ never imports the runtime, trio or torch; runtime/ never imports sim/; only
-hicache/cli.py (and __main__) may import the drivers.
+Bottom to top, each layer imports only itself and the layers below it:
+
+(a) hicache/core/: pure; the standard library's pure parts, attrs, numpy and numba, and nothing
+    else of hicache (no shared module, driver or CLI);
+(b) the shared pure modules: every hicache/*.py but cli.py and __main__.py, and scenarios/;
+    they import the core and each other, never a driver, the CLI, trio or torch;
+(c) the drivers sim/ and runtime/: never each other, never the CLI; sim/ never trio or torch;
+(d) hicache/cli.py and hicache/__main__.py: the only modules that may import the drivers.
+
+Everywhere: no relative imports, and no bare sim/runtime/scenarios (they install as hicache.*).
+Every .py file under hicache/, sim/, runtime/ and scenarios/ must fall in one of these layers.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
-CORE_BANNED = {
-    "trio", "torch", "time", "threading", "socket", "asyncio", "subprocess", "multiprocessing",
-    "select", "selectors", "signal", "shutil", "tempfile", "os", "io", "pathlib", "random",
-    "datetime", "concurrent", "hicache.sim", "hicache.runtime", "hicache.scenarios", "hicache.cli",
-    "sim", "runtime", "scenarios",
+CORE_IMPURE = {
+    "time", "threading", "socket", "asyncio", "subprocess", "multiprocessing", "select", "selectors",
+    "signal", "shutil", "tempfile", "os", "io", "pathlib", "random", "datetime", "concurrent",
 }  # fmt: skip
 CORE_THIRD_PARTY = {"attrs", "numpy", "numba"}
-RULES = {
-    "hicache/core": CORE_BANNED,
-    "sim": {"trio", "torch", "hicache.runtime", "runtime", "hicache.cli"},
-    "runtime": {"hicache.sim", "sim", "hicache.cli"},
-    "scenarios": {"hicache.sim", "hicache.runtime", "sim", "runtime", "hicache.cli", "trio", "torch"},
+RUNTIME_LIBS = {"trio", "torch"}
+DRIVERS = {"hicache.sim", "hicache.runtime"}
+TOP = {"hicache.cli", "hicache.__main__"}
+TOP_FILES = {"hicache/cli.py", "hicache/__main__.py"}  # layer (d): may import anything
+BARE = {"sim", "runtime", "scenarios"}  # the folders install as hicache.sim etc.
+LAYERED_FOLDERS = ("hicache", "sim", "runtime", "scenarios")
+
+
+def _ban(names: set[str], why: str) -> dict[str, str]:
+    return dict.fromkeys(names, why)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What one layer's files must not import; each reason goes into the breach line."""
+
+    layer: str
+    banned: Mapping[str, str]
+    hicache_within: str | None = None  # set: the only part of hicache this layer may import
+    third_party: frozenset[str] | None = None  # set: the only non-stdlib packages it may import
+    why_third_party: str = ""
+
+
+_NO_BARE = _ban(BARE, "the folders install as hicache.sim, hicache.runtime, hicache.scenarios")
+_NO_CLI = _ban(TOP, "nothing imports the CLI")
+CORE = Rule(
+    "hicache/core/",
+    _ban(CORE_IMPURE, "the core is pure: no I/O, clock, threads, processes or randomness")
+    | _ban(RUNTIME_LIBS, "the core is pure")
+    | _NO_BARE,
+    hicache_within="hicache.core",
+    third_party=frozenset(CORE_THIRD_PARTY),
+    why_third_party="the core uses only the standard library's pure parts, attrs, numpy and numba",
+)
+SHARED = Rule(
+    "a shared module",
+    _ban(DRIVERS, "only hicache/cli.py and hicache/__main__.py may import the drivers")
+    | _NO_CLI
+    | _ban(RUNTIME_LIBS, "the shared modules stay free of the runtime's libraries")
+    | _NO_BARE,
+)
+SIM = Rule(
+    "sim/",
+    _ban({"hicache.runtime"}, "the drivers never import each other")
+    | _NO_CLI
+    | _ban(RUNTIME_LIBS, "the simulator needs neither trio nor torch")
+    | _NO_BARE,
+)
+RUNTIME = Rule(
+    "runtime/",
+    _ban({"hicache.sim"}, "the drivers never import each other") | _NO_CLI | _NO_BARE,
+)
+# Glob (relative to the repository root) -> the rule for the files it finds; TOP_FILES are exempt.
+RULES: dict[str, Rule] = {
+    "hicache/core/**/*.py": CORE,
+    "hicache/*.py": SHARED,
+    "scenarios/**/*.py": SHARED,
+    "sim/**/*.py": SIM,
+    "runtime/**/*.py": RUNTIME,
 }
 
 
 def imported(path: Path) -> list[tuple[int, str]]:
+    """Every module a file imports, anywhere in it; `from hicache import x` counts as hicache.x,
+    since x may be a whole layer (hicache.sim, hicache.faults)."""
     tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
     names = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names += [(node.lineno, a.name) for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.append((node.lineno, node.module))
         elif isinstance(node, ast.ImportFrom) and node.level > 0:
             names.append((node.lineno, "." * node.level + (node.module or "")))
+        elif isinstance(node, ast.ImportFrom) and node.module == "hicache":
+            names += [(node.lineno, f"hicache.{a.name}") for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.append((node.lineno, node.module))
     return names
 
 
-def _matches(name: str, rules: set[str]) -> bool:
-    return any(name == r or name.startswith(r + ".") for r in rules)
+def _match(name: str, rules: Mapping[str, str]) -> str | None:
+    """The banned name that `name` is or lies under, if any."""
+    return next((r for r in rules if name == r or name.startswith(r + ".")), None)
+
+
+def _breach(rule: Rule, name: str) -> str | None:
+    """Why importing `name` breaks `rule`, or None when it may."""
+    if name.startswith("."):
+        return f"relative import {name} (use the absolute hicache name)"
+    hit = _match(name, rule.banned)
+    if hit is not None:
+        return f"{rule.layer} must not import {name} ({rule.banned[hit]})"
+    top = name.split(".")[0]
+    inside = rule.hicache_within
+    if inside is not None and top == "hicache" and not (name == inside or name.startswith(inside + ".")):
+        return f"{rule.layer} must not import {name} (the core is the bottom layer: nothing else of hicache)"
+    allowed = rule.third_party
+    if allowed is not None and top != "hicache" and top not in sys.stdlib_module_names | allowed:
+        return f"{rule.layer} may not depend on {name} ({rule.why_third_party})"
+    return None
 
 
 def breaches(root: Path) -> list[str]:
+    """One line per import that breaks its layer's rule, and per file that no layer covers."""
     out = []
-    for folder, rules in RULES.items():
-        for path in sorted((root / folder).rglob("*.py")):
-            rel = path.relative_to(root)
+    covered = set(TOP_FILES)
+    for pattern, rule in RULES.items():
+        for path in sorted(root.glob(pattern)):
+            rel = path.relative_to(root).as_posix()
+            if rel in TOP_FILES:
+                continue
+            covered.add(rel)
             for line, name in imported(path):
-                if name.startswith("."):
-                    out.append(f"{rel}:{line}: relative import {name} (use the absolute hicache name)")
-                elif _matches(name, rules):
-                    out.append(f"{rel}:{line}: {folder}/ must not import {name}")
-                elif folder == "hicache/core":
-                    top = name.split(".")[0]
-                    if top not in sys.stdlib_module_names and top not in CORE_THIRD_PARTY | {"hicache"}:
-                        out.append(f"{rel}:{line}: hicache/core/ may not depend on {name}")
-    for path in sorted(root.glob("hicache/*.py")):
-        if path.name in ("cli.py", "__main__.py"):
-            continue
-        for line, name in imported(path):
-            if _matches(name, {"hicache.sim", "hicache.runtime"}):
-                out.append(f"{path.relative_to(root)}:{line}: only hicache/cli.py may import the drivers")
+                why = _breach(rule, name)
+                if why is not None:
+                    out.append(f"{rel}:{line}: {why}")
+    for folder in LAYERED_FOLDERS:
+        for path in sorted((root / folder).rglob("*.py")):
+            rel = path.relative_to(root).as_posix()
+            if rel not in covered:
+                out.append(f"{rel}: no layer rule covers this file (add it to RULES)")
     return out
 
 
@@ -76,24 +160,97 @@ def test_layers_are_clean() -> None:
     assert breaches(ROOT) == []
 
 
-@pytest.mark.parametrize(
-    ("folder", "line", "needle"),
-    [
-        ("hicache/core", "import time", "must not import time"),
-        ("hicache/core", "from hicache.sim import engine", "must not import hicache.sim"),
-        ("hicache/core", "import requests", "may not depend on requests"),
-        ("sim", "import torch", "must not import torch"),
-        ("runtime", "from hicache.sim.engine import Engine", "must not import hicache.sim"),
-        ("hicache", "import hicache.runtime", "only hicache/cli.py"),
-    ],
-)
-def test_a_breach_is_found(tmp_path: Path, folder: str, line: str, needle: str) -> None:
-    for f in RULES:
-        (tmp_path / f).mkdir(parents=True, exist_ok=True)
-    (tmp_path / folder).mkdir(parents=True, exist_ok=True)
-    (tmp_path / folder / "bad.py").write_text(line + "\n")
+def test_every_shared_module_is_found() -> None:
+    """The shared layer is found by glob; check it finds today's modules, so a typo in RULES
+    cannot leave them unchecked."""
+    shared = {p.relative_to(ROOT).as_posix() for p in ROOT.glob("hicache/*.py")} - TOP_FILES
+    assert {"hicache/results.py", "hicache/faults.py"} <= shared
+    assert {p.name for p in ROOT.glob("scenarios/**/*.py")} >= {"scenario.py", "workload.py"}
+
+
+BREACHES = [
+    # (a) the core
+    ("hicache/core/bad.py", "import time", "must not import time"),
+    ("hicache/core/sub/bad.py", "from os import path", "must not import os"),
+    ("hicache/core/bad.py", "import trio", "must not import trio"),
+    ("hicache/core/bad.py", "import requests", "may not depend on requests"),
+    ("hicache/core/bad.py", "from hicache.sim import engine", "must not import hicache.sim"),
+    ("hicache/core/bad.py", "import hicache.runtime.nodes", "must not import hicache.runtime"),
+    ("hicache/core/bad.py", "from hicache.results import summarize", "must not import hicache.results"),
+    ("hicache/core/bad.py", "from hicache import faults", "must not import hicache.faults"),
+    ("hicache/core/bad.py", "from hicache.scenarios.build import x", "must not import hicache.scenarios"),
+    ("hicache/core/bad.py", "from hicache.cli import main", "must not import hicache.cli"),
+    ("hicache/core/bad.py", "import scenarios", "must not import scenarios"),
+    # (b) the shared modules: hicache/*.py and scenarios/
+    ("hicache/bad.py", "import hicache.runtime", "only hicache/cli.py"),
+    ("hicache/bad.py", "from hicache.sim.runner import table", "only hicache/cli.py"),
+    ("hicache/bad.py", "from hicache import sim", "only hicache/cli.py"),
+    ("hicache/bad.py", "from hicache.cli import main", "must not import hicache.cli"),
+    ("hicache/bad.py", "import torch", "must not import torch"),
+    ("hicache/bad.py", "import trio", "must not import trio"),
+    ("scenarios/bad.py", "from hicache.sim.engine import Engine", "only hicache/cli.py"),
+    ("scenarios/bad.py", "import hicache.runtime.runner", "only hicache/cli.py"),
+    ("scenarios/bad.py", "from hicache import cli", "must not import hicache.cli"),
+    ("scenarios/bad.py", "import torch.nn", "must not import torch.nn"),
+    ("scenarios/bad.py", "import sim.engine", "must not import sim.engine"),
+    # (c) the drivers
+    ("sim/bad.py", "import torch", "must not import torch"),
+    ("sim/bad.py", "import trio", "must not import trio"),
+    ("sim/bad.py", "from hicache.runtime.nodes import x", "never import each other"),
+    ("sim/bad.py", "from hicache.__main__ import main", "must not import hicache.__main__"),
+    ("runtime/bad.py", "from hicache.sim.engine import Engine", "never import each other"),
+    ("runtime/storage/bad.py", "import hicache.cli", "must not import hicache.cli"),
+    ("runtime/bad.py", "import runtime.nodes", "must not import runtime.nodes"),
+    # everywhere
+    ("sim/bad.py", "from .engine import Engine", "relative import"),
+    ("hicache/core/bad.py", "from . import pool", "relative import"),
+    ("hicache/bad.py", "from .core import tree", "relative import"),
+    # a file outside every layer
+    ("hicache/extra/bad.py", "import os", "no layer rule covers"),
+]
+
+
+@pytest.mark.parametrize(("where", "line", "needle"), BREACHES)
+def test_a_breach_is_found(tmp_path: Path, where: str, line: str, needle: str) -> None:
+    """Each kind of breach, planted alone in an otherwise empty tree, gives exactly one line."""
+    (tmp_path / where).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / where).write_text(line + "\n")
     found = breaches(tmp_path)
     assert len(found) == 1 and needle in found[0], found
+
+
+ALLOWED = [
+    ("hicache/core/ok.py", "import numpy as np\nimport attrs\nfrom numba import njit\nimport heapq"),
+    ("hicache/core/ok.py", "from hicache.core.pool import SlotPool\nimport hicache.core.tree"),
+    ("hicache/core/ok.py", "from __future__ import annotations\nfrom hicache.core import commands as cmd"),
+    ("hicache/ok.py", "from hicache.core.tree import TREE\nfrom hicache.faults import FaultSpec"),
+    ("hicache/ok.py", "from hicache.scenarios.workload import WorkItem\nimport pathlib, json"),
+    ("scenarios/ok.py", "from hicache.results import summarize\nfrom hicache.core.pages import page_keys"),
+    ("sim/ok.py", "from hicache.scenarios.build import build_workload\nfrom hicache import faults"),
+    ("sim/ok.py", "from hicache.results import summarize\nfrom hicache.core.decode_node import X"),
+    ("runtime/ok.py", "import trio\nimport torch\nfrom hicache.results import RequestRecord"),
+    ("runtime/ok.py", "from hicache.scenarios.workload import WorkItem\nfrom hicache.faults import decide"),
+    ("hicache/cli.py", "import hicache.sim\nimport hicache.runtime\nimport trio"),
+    ("hicache/__main__.py", "from hicache.cli import main"),
+]
+
+
+@pytest.mark.parametrize(("where", "text"), ALLOWED)
+def test_an_allowed_import_passes(tmp_path: Path, where: str, text: str) -> None:
+    """The rules are exact: what a layer may import (the layers below it) is not flagged."""
+    (tmp_path / where).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / where).write_text(text + "\n")
+    assert breaches(tmp_path) == []
+
+
+def test_the_picture_names_every_shared_module() -> None:
+    """docs/architecture.md draws the layers; a new shared module must appear in the picture."""
+    text = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    layers = re.search(r"^## Layers$(.*?)^## ", text, flags=re.M | re.S)
+    assert layers is not None, "docs/architecture.md lost its '## Layers' section"
+    shared = sorted(p.name for p in ROOT.glob("hicache/*.py") if p.name != "__init__.py")
+    missing = [n for n in shared if n not in layers.group(1)]
+    assert missing == [], f"the Layers picture does not name {missing}"
 
 
 def test_shared_layer_check_agrees() -> None:

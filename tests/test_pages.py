@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
+from builders import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -25,7 +26,7 @@ except ImportError:  # the oracle tests are skipped, the rest still run
     xxhash = None
 needs_xxhash = pytest.mark.skipif(xxhash is None, reason="xxhash is not installed")
 
-SETTINGS = settings(max_examples=120, deadline=None)
+SETTINGS = settings(max_examples=examples(120), deadline=None)
 seeds = st.integers(0, MAX_SEED)
 page_sizes = st.integers(1, 17)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hypothesis.strategies as st
 import pytest
+from builders import examples
 from hypothesis import given, settings
 
 from hicache.core.errors import CoreError, PoolError
@@ -287,7 +288,7 @@ def _pool_and_batches(draw: st.DrawFn) -> tuple[SlotPool, list[int], list[int]]:
     return pool, _batch(draw, pool, "req"), _batch(draw, pool, "req")
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=examples(400), deadline=None)
 @given(_pool_and_batches(), st.sampled_from(["free", "transfer", "adopt"]))
 def test_a_batch_moves_whole_or_not_at_all(case: tuple[SlotPool, list[int], list[int]], op: str) -> None:
     pool, batch, other = case

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 import attrs
 import pytest
 import torch
+from builders import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -77,7 +78,7 @@ def test_activations_stay_order_one() -> None:
 # -- incremental equals monolithic --------------------------------------------------------------
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(
     length=st.integers(1, 300),
     split=st.floats(0.0, 1.0),
@@ -142,7 +143,7 @@ def test_the_past_matters() -> None:
 # -- what the cache holds -----------------------------------------------------------------------
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=examples(20), deadline=None)
 @given(length=st.integers(2, 120), data=st.data())
 def test_changing_a_later_token_leaves_earlier_kv_untouched(length: int, data: st.DataObject) -> None:
     tokens = random_tokens(length, data.draw(st.integers(0, 2**31), label="seed"))
@@ -190,7 +191,7 @@ def test_greedy_ties_break_by_lowest_index() -> None:
 # -- pages --------------------------------------------------------------------------------------
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(
     length=st.integers(0, 200),
     page_size=st.integers(1, 70),

@@ -10,6 +10,7 @@ import pytest
 import torch
 import trio
 import trio.testing
+from builders import examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -181,7 +182,7 @@ def copy_cases(draw: st.DrawFn) -> tuple[KVLayout, int, int, bool, list[int], li
     return layout, src_n, dst_n, same_pool, src_pages, dst_pages, seed, by_runs
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(120), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(copy_cases())
 async def test_copy_is_bit_exact_and_touches_only_its_pages(
     case: tuple[KVLayout, int, int, bool, list[int], list[int], int, bool],
@@ -333,7 +334,7 @@ class FakeEvent:
         return False
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(n=st.integers(1, 12), order=st.data())
 def test_tracker_wakes_every_waiter_in_order(n: int, order: st.DataObject) -> None:
     pauses = order.draw(st.lists(st.integers(0, 3), min_size=n, max_size=n), label="pauses")

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 import trio
+from builders import examples
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -391,7 +392,7 @@ class MemoryStoreMachine(StoreMachine):
     make_store = staticmethod(lambda root: MemoryStore(LAYOUT))
 
 
-_machine_settings = settings(max_examples=40, stateful_step_count=15, deadline=None)
+_machine_settings = settings(max_examples=examples(40), stateful_step_count=15, deadline=None)
 TestFileStoreModel = FileStoreMachine.TestCase
 TestFileStoreModel.settings = _machine_settings
 TestMemoryStoreModel = MemoryStoreMachine.TestCase

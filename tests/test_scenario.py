@@ -12,6 +12,7 @@ import attrs
 import hypothesis.strategies as st
 import numpy as np
 import pytest
+from builders import examples
 from hypothesis import given, settings
 
 from hicache.core.config import PREFETCH_POLICIES, PROMISE_POLICIES, RETRACT_POLICIES
@@ -500,7 +501,7 @@ def bad_documents(draw: st.DrawFn) -> tuple[dict[str, Any], str, list[str]]:
     return doc, field, [*sets, f"{field}={toml_value(value)}"]
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=examples(400), deadline=None)
 @given(bad_documents())
 def test_every_bad_field_is_a_scenario_error_naming_file_and_field(case: tuple[dict, str, list[str]]) -> None:
     doc, field, _ = case
@@ -510,7 +511,7 @@ def test_every_bad_field_is_a_scenario_error_naming_file_and_field(case: tuple[d
     assert info.value.field == field
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(bad_documents())
 def test_every_bad_override_is_a_scenario_error_naming_the_field(
     tmp_path_factory: pytest.TempPathFactory, case: tuple[dict, str, list[str]]
@@ -524,7 +525,7 @@ def test_every_bad_override_is_a_scenario_error_naming_the_field(
     assert str(info.value).startswith(f"--set: {field}: ")
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(st.data())
 def test_valid_documents_round_trip(data: st.DataObject) -> None:
     doc = data.draw(valid_documents())
@@ -554,7 +555,7 @@ def test_valid_documents_round_trip(data: st.DataObject) -> None:
                 assert plain[section][key] == value
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(
     st.sampled_from(sorted(FIELDS)),
     st.recursive(
@@ -619,7 +620,7 @@ def test_missing_trace_is_a_scenario_error_and_bad_trace_a_trace_error(tmp_path:
         build_workload(parse_scenario(doc, str(tmp_path / "s.toml")))
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(25), deadline=None)
 @given(tenants=st.integers(1, 4), kind=st.sampled_from(["multiturn", "agentic", "shared_prefix"]))
 def test_generated_sessions_spread_over_tenants(tenants: int, kind: str) -> None:
     small = {

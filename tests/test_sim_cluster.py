@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from hicache.cli import main
+from hicache.core.states import State
 from hicache.core.tree import TREE
 from hicache.results import FIELDS, write_requests_csv
 from hicache.scenarios.build import build_workload
@@ -116,6 +117,40 @@ def test_decode_fast_forward_matches_a_step_by_step_batch() -> None:
         join(t)
     for r in records:
         assert r.arrival + r.e2e_s == pytest.approx(finish[r.id], rel=1e-9), r.id
+
+
+@pytest.mark.parametrize(
+    ("k", "cache"),
+    [(2, {}), (4, {"l1_tokens": 20_000, "decode_reserve_tokens": 64})],
+    ids=["batch-bound", "batch-bound-and-retracting"],
+)
+def test_max_running_caps_the_batch_in_the_driver_and_the_core(k: int, cache: dict[str, Any]) -> None:
+    """The batch limit is the core's (`DecodeConfig.max_running`): at every step boundary the
+    driver's batch and the core's RUNNING requests are the same, at most k, and the core's
+    invariants hold; requests beyond the cap wait READY, and the cap is reached."""
+    s = scenario(cluster={"max_running": k}, cache=cache, run={"baselines": ["l1"]})
+    setup = setups(s)["l1"]
+    assert setup.decode.max_running == k
+    cluster = Cluster(setup)
+    batches: list[int] = []
+    waited = 0
+    for d in cluster.decode:
+
+        def epoch(d: Any = d, run: Any = d._on_epoch) -> None:
+            nonlocal waited
+            run()
+            d.core.check()
+            states = [r.state for r in d.core.requests.values()]
+            assert d.running == states.count(State.RUNNING) <= k
+            waited += State.READY in states
+            batches.append(d.running)
+
+        d._on_epoch = epoch  # the loop and the driver look it up on the instance
+    result = cluster.run(build_workload(s))
+    assert all(r.outcome == "finished" for r in result.records)
+    assert max(batches) == k and waited  # the cap was reached, and requests waited for it
+    if cache:
+        assert sum(r.retractions for r in result.records) > 0
 
 
 @pytest.mark.skipif(not CONVERSATION.exists(), reason="needs ../shared/traces/conversation_trace.jsonl")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import attrs
 import pytest
+from builders import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -116,7 +117,7 @@ def test_kv_capacity_from_hbm() -> None:
         NodeCosts(model_preset("deepseek-v3"), gpu_preset("h100"), 1).kv_capacity_tokens(0.9)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(
     a=st.floats(1e-4, 0.1),
     b=st.floats(1e-9, 1e-5),

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from builders import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -292,7 +293,7 @@ def replay(loop: Any, first: list[tuple[str, int]], scripts: list[list[tuple]], 
     return trace
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(
     first=st.lists(
         st.tuples(st.sampled_from(METHODS), st.integers(0, len(DELAYS) - 1)), min_size=1, max_size=8

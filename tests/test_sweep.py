@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from builders import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -283,7 +284,7 @@ _VALUE = st.one_of(
         unique_by=lambda v: (type(v).__name__, json.dumps(v) if isinstance(v, list) else v),
     )
 )
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 def test_grid_values_round_trip_through_the_command_line(values: list[Any]) -> None:
     """Whatever values a grid holds, written as TOML and split back they are the same values,
     commas and quotes inside strings and arrays included."""

@@ -14,6 +14,7 @@ from pathlib import Path
 import hypothesis.strategies as st
 import numpy as np
 import trio
+from builders import examples
 from hypothesis import given, settings
 from kvworld import World
 
@@ -58,7 +59,7 @@ def config() -> DecodeConfig:
     )
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(
     tokens=st.lists(st.integers(0, 2**31 - 1), min_size=PAGE, max_size=40),
     tenants=st.lists(st.one_of(st.none(), st.text(max_size=6)), min_size=2, max_size=2, unique=True),
@@ -76,8 +77,7 @@ def test_identical_prompts_of_two_tenants_never_share_a_page(
     assert serve(w, "first", tokens, owner) == (0, 0, 0, len(tokens))
     # Put the owner's pages on the tier under test (write-through has stored them everywhere).
     if tier == "l2":
-        for c in w.core.evict(w.cfg.l1_pages):
-            w.accept(c)
+        w.feed(ev.EvictRequested(w.now, w.cfg.l1_pages))
         w.settle()
     elif tier == "l3":
         restarted = World(config())

@@ -20,10 +20,11 @@ from typing import Any
 
 import attrs
 import hypothesis.strategies as st
+from builders import decode_config, examples
+from builders import prompt as tokens
 from hypothesis import HealthCheck, Phase, event, given, settings
-from kvworld import World
+from lockstep import Lockstep
 
-from hicache.core import commands as cmd
 from hicache.core import events as ev
 from hicache.core.config import DecodeConfig
 from hicache.core.states import State
@@ -36,124 +37,7 @@ NO_SHRINK = [Phase.explicit, Phase.reuse, Phase.generate]
 
 
 def config(ranks: int, **kw: Any) -> DecodeConfig:
-    base: dict[str, Any] = dict(
-        l1_pages=64,
-        l2_pages=64,
-        page_size=PAGE,
-        prefetch_threshold_tokens=2 * PAGE,
-        decode_reserve_tokens=PAGE,
-        transfer_retries=1,
-        tp_size=ranks,
-    )
-    base.update(kw)
-    return DecodeConfig(**base)
-
-
-def tokens(seed: int, n: int) -> list[int]:
-    return [seed * 100_000 + i for i in range(n)]
-
-
-# ---------------------------------------------------------------------------------- decisions
-
-
-@attrs.define
-class Decisions:
-    """What one rank decided, per request and for the node; equal on every rank or a bug."""
-
-    agree_kinds: list[str] = attrs.Factory(list)
-    requested: dict[str, list[tuple[int, int]]] = attrs.Factory(dict)  # RequestKV ranges
-    started: dict[str, list[int]] = attrs.Factory(dict)  # StartDecode: pages handed over
-    retracted: dict[str, int] = attrs.Factory(dict)
-    outcomes: dict[str, str] = attrs.Factory(dict)
-    promised: dict[str, int] = attrs.Factory(dict)  # promised pages, per admission
-
-    def read(self, commands: list[cmd.Command]) -> None:
-        for c in commands:
-            if isinstance(c, cmd.Agree):
-                self.agree_kinds.append(c.kind)
-            elif isinstance(c, cmd.RequestKV):
-                self.requested.setdefault(c.req, []).append((c.start, c.end))
-            elif isinstance(c, cmd.StartDecode):
-                self.started.setdefault(c.req, []).append(len(c.device_slots))
-            elif isinstance(c, cmd.Retract):
-                self.retracted[c.req] = self.retracted.get(c.req, 0) + 1
-            elif isinstance(c, cmd.Respond):
-                self.outcomes[c.req] = c.outcome
-
-
-class Lockstep:
-    """N worlds, one per TP rank, driven step by step; collectives are answered by minimum."""
-
-    def __init__(self, cfg: DecodeConfig) -> None:
-        self.worlds = [World(cfg) for _ in range(cfg.tp_size)]
-        self.decisions = [Decisions() for _ in self.worlds]
-        self.read_up_to = [0] * len(self.worlds)
-        self.cancelled: set[int] = set()  # prefetches the ranks were told to cancel
-        self.collectives = 0
-
-    @property
-    def lead(self) -> World:
-        return self.worlds[0]
-
-    def each(self, method: str, *args: Any) -> None:
-        """A shared event: every rank sees it at the same step."""
-        for w in self.worlds:
-            getattr(w, method)(*args)
-
-    def tick(self) -> None:
-        self.each("tick")
-
-    def answer_collectives(self) -> None:
-        """Answer every open `Agree`: all ranks must have entered the same ones (same ids, kinds
-        and keys), else they would wait on each other forever."""
-        open_ = [{a.agreement: a for a in w.agrees} for w in self.worlds]
-        for w in self.worlds:
-            w.agrees.clear()
-        shapes = [
-            sorted((a.agreement, a.kind, tuple(k for k, _ in a.values)) for a in o.values()) for o in open_
-        ]
-        for rank, shape in enumerate(shapes[1:], start=1):
-            assert shape == shapes[0], (
-                f"mismatched collectives: rank 0 entered {shapes[0]}, rank {rank} {shape}"
-            )
-        for aid in sorted(open_[0]):
-            calls = [o[aid] for o in open_]
-            values = tuple((key, min(dict(c.values)[key] for c in calls)) for key, _ in calls[0].values)
-            self.collectives += 1
-            for w in self.worlds:
-                w.feed(ev.Agreed(w.now, aid, values))
-
-    def compare(self, where: str) -> None:
-        """Every rank decided the same so far, and every rank's invariants hold."""
-        for rank, w in enumerate(self.worlds):
-            self.decisions[rank].read(w.log[self.read_up_to[rank] :])
-            self.read_up_to[rank] = len(w.log)
-            for rid, r in w.core.requests.items():
-                if r.promised_pages >= 0:
-                    self.decisions[rank].promised[rid] = r.promised_pages
-            w.core.check()
-        for c in self.lead.log:
-            if isinstance(c, cmd.CancelPrefetch):
-                self.cancelled.add(c.op)
-        lead = attrs.asdict(self.decisions[0])
-        for rank, d in enumerate(self.decisions[1:], start=1):
-            mine = attrs.asdict(d)
-            for name, value in lead.items():
-                assert mine[name] == value, (
-                    f"{where}: rank {rank} differs from rank 0 in {name}:\n"
-                    f"  rank 0:    {value}\n  rank {rank}: {mine[name]}"
-                )
-
-    def same(self, attr: str) -> list[int]:
-        """Open operations of a shared kind; a rank with different ones has diverged."""
-        ops = [sorted(getattr(w, attr)) for w in self.worlds]
-        assert all(o == ops[0] for o in ops), f"ranks hold different {attr}: {ops}"
-        return ops[0]
-
-    def running(self) -> list[str]:
-        states = [{k: r.state for k, r in w.core.requests.items()} for w in self.worlds]
-        assert all(s == states[0] for s in states), f"ranks disagree on request states: {states}"
-        return [k for k, s in states[0].items() if s is State.RUNNING]
+    return decode_config(**{"transfer_retries": 1, "tp_size": ranks, **kw})
 
 
 # ---------------------------------------------------------------------------------- schedules
@@ -321,9 +205,7 @@ def run_schedule(s: dict[str, Any]) -> Lockstep:
         for rid, p in by_req.items():
             if p.abort_after is not None and p.arrive + p.abort_after == step:
                 r.each("abort", rid)
-        r.tick()
-        if step not in s["late"]:
-            r.answer_collectives()
+        r.tick(answer=step not in s["late"])
         r.compare(where)
         if step > last_arrival and all(w.core.idle for w in r.worlds):
             break
@@ -331,42 +213,12 @@ def run_schedule(s: dict[str, Any]) -> Lockstep:
     return r
 
 
-def settle(r: Lockstep, rounds: int = 200) -> None:
-    """Complete everything — each rank reads all its L3 holds, nothing fails any more — and
-    finish every running request, until all ranks are idle."""
-    for i in range(rounds):
-        for w in r.worlds:
-            for op in sorted(w.queries):
-                w.answer_query(op)
-            for op in sorted(w.prefetches):
-                w.prefetch_done(op)
-        for op in r.same("loads"):
-            r.each("load_done", op)
-        for tid in r.same("transfers"):
-            r.each("kv_arrive", tid)
-        for op in r.same("backups"):
-            r.each("backup_done", op)
-        for op in r.same("stores"):
-            r.each("store_done", op)
-        for t in r.same("timers"):
-            r.each("fire_timer", t)
-        for rid in r.running():
-            r.each("finish", rid)
-        r.tick()
-        r.answer_collectives()
-        r.compare(f"settling, round {i}")
-        idle = [w.core.idle for w in r.worlds]
-        assert all(x == idle[0] for x in idle), f"ranks disagree on being idle: {idle}"
-        if idle[0]:
-            break
-    else:
-        raise AssertionError("the ranks did not come to rest")
-    for w in r.worlds:
-        assert w.core.tree.live_locks == [] and w.core.tree.live_pins == []
+def settle(r: Lockstep) -> None:
+    r.rest()
 
 
 FUZZ = settings(
-    max_examples=200,
+    max_examples=examples(200),
     deadline=None,
     phases=NO_SHRINK,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
@@ -405,13 +257,10 @@ def test_a_load_back_failing_on_one_rank_is_recovered_by_every_rank() -> None:
     toks = tokens(1, 14)  # 3 full pages and a 2-token tail
     r.each("arrive", "a", toks)
     settle(r)  # "a" runs and finishes; its pages stay on L1 and are backed up to L2 and L3
-    for w in r.worlds:
-        for c in w.core.evict(w.cfg.l1_pages):  # demote everything to L2
-            w.accept(c)
+    r.each("feed", ev.EvictRequested(r.lead.now, r.lead.cfg.l1_pages))  # demote everything to L2
     r.compare("after the first request")
     r.each("arrive", "b", toks)
     r.tick()
-    r.answer_collectives()
     (op,) = r.same("loads")
     r.worlds[0].load_done(op)
     r.worlds[1].load_done(op, ("b",))

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import hypothesis.strategies as st
 import pytest
+from builders import examples
 from hypothesis import given, settings
 
 from hicache.cli import main
@@ -100,7 +101,7 @@ def test_mooncake_rejects_bad_lines_naming_file_line_and_field(
     assert str(err.value).startswith(f"{p}:2: ")
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(
     line=st.one_of(
         st.text(max_size=60),

@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 import torch
 import trio
+from builders import examples
 from engine_kinds import ENGINES
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
@@ -87,7 +88,7 @@ def fill(pool: torch.Tensor, rng: np.random.Generator) -> None:
 
 
 @pytest.mark.parametrize("kind", ENGINES)
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(6), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 async def test_random_pages_arrive_exactly_and_the_notification_follows_the_data(
     kind: str, data: Any
@@ -208,7 +209,7 @@ def test_nixl_engine_without_nixl_says_how_to_install_it(monkeypatch: pytest.Mon
 # Peer info encoding
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(
     name=st.text(min_size=1, max_size=20),
     fields=st.dictionaries(st.text(max_size=10), st.binary(max_size=40), max_size=3),
@@ -639,7 +640,7 @@ async def test_tcp_read_without_read_done_delivers_no_notification() -> None:
 HEADER_FIELDS = ("magic", "version", "type", "name", "count", "page_bytes", "indices", "notif_len", "cut")
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     broken=st.sets(st.sampled_from(HEADER_FIELDS), max_size=3),
     mtype=st.sampled_from([Msg.WRITE, Msg.READ]),

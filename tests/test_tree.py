@@ -884,3 +884,96 @@ def test_store_backlog_cap_skips_stores_instead_of_pinning_l2() -> None:
     assert node_at(tree, [5, 6]).ops == set() and node_at(tree, [1, 2]).in_l3
     tree.check()
     assert host.num_free == 12
+
+
+# ---------------------------------------------------------------------------- failed copies
+
+
+def test_a_backup_failing_inside_a_node_keeps_the_l2_copies_before_it() -> None:
+    tree, dev, host = make_tree()
+    put(tree, [1, 2, 3, 4])
+    b = one_backup(tree)
+    put(tree, [1, 2, 3, 4, 5, 6])  # a child below the pending node: its own backup
+    child = one_backup(tree)
+    tree.backup_done(b.op, failed=(2,))  # pages 3 and 4 never reached L2
+    tree.check()
+    assert node_at(tree, [1, 2]).host is not None
+    assert node_at(tree, [3, 4]).host is None  # on L1 only now
+    assert node_at(tree, [5, 6]).host is None  # below it: L2 copies stay root-connected
+    assert tree.stats.backed_up == 2
+    # The child's backup still writes its old L2 slots: they are not free until it ends.
+    assert host.num_free == 16 - 2 - 2
+    tree.backup_done(child.op)
+    tree.check()
+    assert host.num_free == 16 - 2
+    assert node_at(tree, [5, 6]).host is None  # its copy completed, but hangs under no L2 parent
+
+
+def test_a_failed_backup_leaves_its_nodes_evictable() -> None:
+    tree, dev, host = make_tree()
+    put(tree, [1, 2, 3])
+    b = one_backup(tree)
+    tree.backup_done(b.op, failed=(0,))
+    tree.check()
+    assert tree.evict_device(3).freed == 3  # dropped (no L2 copy), not stuck as "pending"
+    assert dev.num_free == 16 and host.num_free == 16 and tree.num_nodes == 0
+
+
+def test_a_failed_write_back_backup_keeps_the_node_on_l1() -> None:
+    tree, dev, host = make_tree(write_policy="write_back")
+    put(tree, [1, 2])
+    assert tree.evict_device(2).pending == 2
+    b = one_backup(tree)
+    tree.backup_done(b.op, failed=(1,))
+    tree.check()
+    assert node_at(tree, [1]).device is not None and node_at(tree, [2]).device is not None
+    assert node_at(tree, [1]).host is not None and node_at(tree, [2]).host is None
+
+
+def test_a_store_marks_exactly_the_pages_it_wrote() -> None:
+    tree, _, _ = make_tree(store_to_l3=True)
+    put(tree, [1, 2, 3, 4, 5])
+    tree.backup_done(one_backup(tree).op)
+    s = one_store(tree)
+    assert tree.store_done(s.op, failed=(1, 2)) == [1, 4, 5]
+    tree.check()
+    assert [(n.keys, n.in_l3) for n in sorted(tree.nodes(), key=lambda n: n.keys)] == [
+        ((1,), True),
+        ((2, 3), False),
+        ((4, 5), True),
+    ]
+    assert tree.stats.store_failed == 2
+
+
+def test_failed_pages_outside_the_command_are_refused_without_change() -> None:
+    tree, _, _ = make_tree(store_to_l3=True)
+    put(tree, [1, 2])
+    b = one_backup(tree)
+    before = snapshot(tree)
+    for bad in [(2,), (-1,)]:
+        with pytest.raises(CoreError, match="outside"):
+            tree.backup_done(b.op, failed=bad)
+        assert snapshot(tree) == before
+    tree.backup_done(b.op)
+    s = one_store(tree)
+    with pytest.raises(CoreError, match="outside"):
+        tree.store_done(s.op, failed=(5,))
+    tree.store_done(s.op)
+
+
+def test_a_bad_l2_page_leaves_the_tree_once_pins_let_go() -> None:
+    tree, dev, host = make_tree()
+    put(tree, [1, 2, 3, 4])
+    tree.backup_done(one_backup(tree).op)
+    tree.evict_device(4)  # L2 only now
+    m = tree.match([1, 2, 3, 4], 1.0)
+    pin = tree.pin_host(m.host_node)
+    assert tree.drop_host(m.host_node, 2) == 2  # page 2 is bad: it and page 3 go
+    tree.check()
+    assert tree.peek([1, 2, 3, 4]) == 2  # no later match reads the bad page
+    assert tree.match([1, 2, 3, 4], 2.0).host_pages == 2
+    assert host.num_free == 16 - 4  # the pinned slots wait for the pin
+    tree.unpin_host(pin)
+    tree.check()
+    assert host.num_free == 16 - 2
+    assert tree.drop_host(m.host_node, 2) == 0  # dropped once: a second report changes nothing

@@ -12,6 +12,7 @@ import itertools
 
 import hypothesis.strategies as st
 import pytest
+from builders import examples
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import (
     Bundle,
@@ -297,5 +298,8 @@ class TieredTreeMachine(RuleBasedStateMachine):
 
 TestTieredTree = TieredTreeMachine.TestCase
 TestTieredTree.settings = settings(
-    max_examples=300, stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=examples(300),
+    stateful_step_count=50,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
 )

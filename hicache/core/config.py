@@ -2,17 +2,49 @@
 
 from __future__ import annotations
 
+import enum
 import math
 
 import attrs
 
 from hicache.core.errors import PolicyError
 from hicache.core.eviction import EVICTION_POLICIES
+from hicache.core.policy_enum import parse_policy
 from hicache.core.write_policy import WritePolicy
 
-PROMISE_POLICIES = ("eager", "confirmed", "adaptive")
-PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
-RETRACT_POLICIES = ("newest", "fewest_decoded", "most_pages")
+
+class PromisePolicy(enum.StrEnum):
+    """How much of a matched prefix to promise to prefill (see `hicache.core.promise`)."""
+
+    EAGER = "eager"  # L1 + L2 + L3 as soon as the L3 hit is known; fall back on a shortfall
+    CONFIRMED = "confirmed"  # L3 pages only once they are in L2
+    ADAPTIVE = "adaptive"  # a tier's part only where restoring it beats receiving it
+
+
+class PrefetchPolicy(enum.StrEnum):
+    """When a prefetch stops (see `hicache.core.prefetch_rule`)."""
+
+    BEST_EFFORT = "best_effort"  # as soon as the request could otherwise be scheduled
+    WAIT_COMPLETE = "wait_complete"  # when every page is in
+    TIMEOUT = "timeout"  # when every page is in or its deadline passes
+
+
+class RetractPolicy(enum.StrEnum):
+    """Which running request to retract under memory pressure."""
+
+    NEWEST = "newest"
+    FEWEST_DECODED = "fewest_decoded"
+    MOST_PAGES = "most_pages"
+
+
+PROMISE_POLICIES = tuple(p.value for p in PromisePolicy)
+PREFETCH_POLICIES = tuple(p.value for p in PrefetchPolicy)
+RETRACT_POLICIES = tuple(p.value for p in RetractPolicy)
+
+
+def _policy(kind: type[enum.StrEnum], name: str, default: enum.StrEnum):
+    """An attrs field holding a policy enum, given as a member or by its name."""
+    return attrs.field(default=default, converter=lambda v: parse_policy(kind, v, f"{name}: unknown policy"))
 
 
 def _one_of(choices: tuple[str, ...]):
@@ -49,8 +81,8 @@ class DecodeConfig:
     # At most this share of L2 may wait on stores to L3; beyond it pages are not stored (writes
     # to L3 are best-effort: L2 must not fill up with pages a slow store still reads).
     store_backlog: float = attrs.field(default=0.25, validator=_at_least(0))
-    promise: str = attrs.field(default="eager", validator=_one_of(PROMISE_POLICIES))
-    prefetch_policy: str = attrs.field(default="timeout", validator=_one_of(PREFETCH_POLICIES))
+    promise: PromisePolicy = _policy(PromisePolicy, "promise", PromisePolicy.EAGER)
+    prefetch_policy: PrefetchPolicy = _policy(PrefetchPolicy, "prefetch_policy", PrefetchPolicy.TIMEOUT)
     prefetch_threshold_tokens: int = attrs.field(default=256, validator=_at_least(0))
     prefetch_timeout_base: float = attrs.field(default=2.0, validator=_at_least(0))
     prefetch_timeout_per_ki_token: float = attrs.field(default=0.1, validator=_at_least(0))
@@ -58,7 +90,10 @@ class DecodeConfig:
     load_batches_in_flight: int = attrs.field(default=3, validator=_at_least(1))
     decode_reserve_tokens: int = attrs.field(default=512, validator=_at_least(0))
     transfer_retries: int = attrs.field(default=2, validator=_at_least(0))
-    retract_policy: str = attrs.field(default="newest", validator=_one_of(RETRACT_POLICIES))
+    retract_policy: RetractPolicy = _policy(RetractPolicy, "retract_policy", RetractPolicy.NEWEST)
+    # Requests in the decode batch at once (0: no limit). A request whose KV is complete waits
+    # in READY, holding its L1 pages, until the batch has room.
+    max_running: int = attrs.field(default=0, validator=_at_least(0))
     tp_size: int = attrs.field(default=1, validator=_at_least(1))
     # Estimates for the adaptive promise (the driver supplies them; bytes and seconds).
     kv_bytes_per_token: float = attrs.field(default=131072.0, validator=_at_least(0))

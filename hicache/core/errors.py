@@ -18,10 +18,11 @@ class PolicyError(CoreError, ValueError):
 
 
 class TransitionError(CoreError):
-    """An event that the request's state does not accept; names the request, state and event."""
+    """An event that a request's state (or an operation's phase) does not accept; names the
+    request or operation, its state and the event."""
 
-    def __init__(self, req: str, state: str, event: str) -> None:
-        super().__init__(f"request {req!r} in state {state} cannot take {event}")
+    def __init__(self, req: str, state: str, event: str, *, subject: str | None = None) -> None:
+        super().__init__(f"{subject or f'request {req!r}'} in state {state} cannot take {event}")
         self.req = req
         self.state = state
         self.event = event

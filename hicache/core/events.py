@@ -1,6 +1,15 @@
 """Events a driver feeds the decode-node core: something happened, at time `at` (seconds).
 
-Events about a request name it by `req`; completions of I/O name the command's `op`.
+Events about a request name it by `req`; completions of I/O name the command's id. An event the
+core refuses raises a `CoreError` (a `TransitionError` when the state does not take it) and
+leaves the core exactly as it was, so a driver may log it and go on.
+
+With several TP ranks, each rank runs its own core. Every rank must be fed the same *shared*
+events in the same order: `RequestArrived`, `Tick`, `KVArrived`, `KVFailed`, `KVAbandoned`,
+`BackupDone`, `StoreDone`, `TimerFired`, `Decoded`, `Finished`, `AbortRequested`, `Agreed`,
+`EvictRequested` and `ForgetRequested`. The *rank-local* events `StorageQueried`,
+`PrefetchProgress`, `PrefetchDone` and `LoadDone` may differ between ranks: the core acts on them
+only through agreements (`Agree` / `Agreed`), so the ranks keep deciding alike.
 """
 
 from __future__ import annotations
@@ -26,7 +35,9 @@ class RequestArrived:
 
 @attrs.frozen(slots=True)
 class Tick:
-    """One scheduler iteration: the core does all its batched work here."""
+    """One scheduler iteration: the core does all its batched work here (admission, one L3
+    query, agreements, merged load-backs). Drivers coalesce: one `Tick` some interval after
+    any other event (see `hicache.core.dispatch.Dispatcher`)."""
 
     at: float
 
@@ -61,23 +72,33 @@ class PrefetchDone:
 
 @attrs.frozen(slots=True)
 class LoadDone:
-    """A `LoadBack` ended; `failed` names requests whose pages did not arrive."""
+    """A `LoadBack` ended: no byte of it can still land. `failed` are the pages (indices into
+    the batch's pages in order) that did not arrive intact; an L2 page found bad is dropped
+    from the tree (agreed across ranks first)."""
 
     at: float
     op: int
-    failed: tuple[str, ...] = attrs.field(default=(), converter=_tuple)
+    failed: tuple[int, ...] = attrs.field(default=(), converter=_tuple)
 
 
 @attrs.frozen(slots=True)
 class BackupDone:
+    """A `Backup` ended. `failed` are the pages (indices into the command's slots) whose L2
+    copy did not complete: they, and the pages below them in the tree, are not kept on L2."""
+
     at: float
     op: int
+    failed: tuple[int, ...] = attrs.field(default=(), converter=_tuple)
 
 
 @attrs.frozen(slots=True)
 class StoreDone:
+    """A `Store` ended. `failed` are the pages (indices into the command's keys) that L3 does
+    not hold: the tree does not count them as stored."""
+
     at: float
     op: int
+    failed: tuple[int, ...] = attrs.field(default=(), converter=_tuple)
 
 
 @attrs.frozen(slots=True)
@@ -113,6 +134,8 @@ class KVAbandoned:
 
 @attrs.frozen(slots=True)
 class TimerFired:
+    """A `SetTimer` fired (once per timer)."""
+
     at: float
     timer: int
 
@@ -130,20 +153,46 @@ class Decoded:
 
 @attrs.frozen(slots=True)
 class Finished:
+    """A running request generated its last token; the KV of all tokens reported with
+    `Decoded` is in its pages. Late after an abort: absorbed."""
+
     at: float
     req: str
 
 
 @attrs.frozen(slots=True)
 class AbortRequested:
+    """The client went away (or an operator ends the request): release it wherever it is.
+    Absorbed after the request ended."""
+
     at: float
     req: str
     reason: str = "aborted"
 
 
 @attrs.frozen(slots=True)
+class EvictRequested:
+    """An operator frees cache memory: up to `l1_pages` from L1 (demoted to L2 where the write
+    policy backs them up) and `l2_pages` from L2, by the eviction policy; locked and pinned
+    pages stay."""
+
+    at: float
+    l1_pages: int
+    l2_pages: int = 0
+
+
+@attrs.frozen(slots=True)
+class ForgetRequested:
+    """The driver has read a request's answer: drop it now, or as soon as no I/O refers to it
+    any more (a driver that replays a long trace keeps the core's memory flat this way)."""
+
+    at: float
+    req: str
+
+
+@attrs.frozen(slots=True)
 class Agreed:
-    """The answer to an `Agree`: the minimum over ranks of each value."""
+    """The answer to an `Agree`: for every key of the agreement, the minimum over ranks."""
 
     at: float
     agreement: int
@@ -167,4 +216,6 @@ Event = (
     | Finished
     | AbortRequested
     | Agreed
+    | EvictRequested
+    | ForgetRequested
 )

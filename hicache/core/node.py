@@ -37,6 +37,7 @@ class TreeNode:
         "l2_ver",
         "l1_queued",
         "l2_queued",
+        "detached",
     )
 
     def __init__(self, node_id: int, keys: tuple[int, ...], parent: TreeNode | None, created: int) -> None:
@@ -61,6 +62,7 @@ class TreeNode:
         self.l2_ver = 0
         self.l1_queued = False  # the entry of version l1_ver is in the L1 heap, not yet popped
         self.l2_queued = False
+        self.detached = False  # cut from the tree (bad L2 copy) while a pin or an op still held it
 
     def __repr__(self) -> str:
         tiers = "".join(t for t, on in (("D", self.device), ("H", self.host)) if on is not None)

@@ -4,24 +4,9 @@ from __future__ import annotations
 
 import attrs
 
+from hicache.core.account import Account
 from hicache.core.receipts import HostPin, LockReceipt
 from hicache.core.states import State
-
-
-@attrs.define(slots=True)
-class RequestAccount:
-    """Where the prompt's tokens came from (for the latest admission), in tokens."""
-
-    l1: int = 0  # already on L1 at admission
-    l2: int = 0  # loaded back from L2
-    l3: int = 0  # prefetched from L3 and loaded back
-    transferred: int = 0  # received from prefill (including fallback ranges)
-    fallback: int = 0  # promised for local restore, then re-requested from prefill
-    retractions: int = 0
-
-    @property
-    def cached(self) -> int:
-        return self.l1 + self.l2 + self.l3
 
 
 @attrs.define(slots=True, eq=False)
@@ -36,6 +21,7 @@ class Request:
     priority: int = 0
     state: State = State.QUEUED
     admitted_at: float = -1.0
+    ready_at: float = -1.0  # when its KV became complete (this admission)
     # Admission (the head of the queue keeps its match until it is admitted).
     matched: bool = False
     device_pages: int = 0
@@ -56,8 +42,8 @@ class Request:
     promised_pages: int = -1  # -1: nothing requested from prefill yet
     transfers: set[int] = attrs.Factory(set)
     decoded: int = 0
-    account: RequestAccount = attrs.Factory(RequestAccount)
-    outcome: str = ""
+    account: Account = attrs.Factory(Account)  # of the latest admission
+    outcome: str = ""  # an `Outcome` once it ended
     reason: str = ""
 
     @property
@@ -82,4 +68,4 @@ class Request:
         self.transfers = set()
         self.lock = self.pin = None
         retractions = self.account.retractions
-        self.account = RequestAccount(retractions=retractions)
+        self.account = Account(retractions=retractions)

@@ -1,7 +1,7 @@
 """The request states of a decode node and every allowed transition, as data.
 
-`TRANSITIONS[state][trigger]` is the next state. Triggers are the names of external events
-(`KVArrived`, `Decoded`, ...) and of the core's own decisions (`admit`, `ready`, `retract`, ...).
+`TRANSITIONS[state][trigger]` is the next state. A trigger is either the class of an external
+event (`ev.KVArrived`, `ev.Decoded`, ...) or one of the core's own decisions (`Decision`).
 Anything not in the table is an invalid event for that state and raises `TransitionError`.
 `docs/architecture.md` shows this table as a diagram generated from it
 (`python -m hicache.core.states`), so the picture cannot drift from the code.
@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import enum
 
+from hicache.core import events as ev
+
 
 class State(enum.Enum):
     QUEUED = "queued"  # waiting in order for L1 budget; only the head holds its match
     QUERYING = "querying"  # admitted, L1 budget reserved, waiting for the (agreed) L3 hit length
     RESTORING = "restoring"  # restore track (prefetch, load-back) and transfer track in progress
+    READY = "ready"  # KV complete; waiting for room in the decode batch (`max_running`)
     RUNNING = "running"  # handed to the decode batch
     RETRACTED = "retracted"  # out of the batch under memory pressure; its KV went into the tree
     FINISHED = "finished"
@@ -27,48 +30,73 @@ class State(enum.Enum):
         return self in TERMINAL
 
 
+class Decision(enum.Enum):
+    """The core's own triggers (external ones are event classes)."""
+
+    ADMIT = "admit"  # L3 has candidates: ask it
+    ADMIT_LOCAL = "admit_local"  # nothing to ask L3
+    REJECT = "reject"  # can never fit L1
+    L3_KNOWN = "l3_known"  # the agreed L3 hit length is known: plan the restore
+    READY = "ready"  # both tracks done
+    START = "start"  # the decode batch has room
+    RETRACT = "retract"  # memory pressure
+    RESUME = "resume"  # back to the queue, to be matched again
+    TRANSFER_FAILED = "transfer_failed"  # retries exhausted, or abandoned
+
+
+Trigger = type | Decision
+
 TERMINAL = frozenset({State.FINISHED, State.ABORTED, State.FAILED})
 
 # Completions that can arrive after a request ended (I/O started before it did): absorbed.
-_LATE = {"KVArrived": None, "KVFailed": None, "KVAbandoned": None, "AbortRequested": None, "Finished": None}
+_LATE: tuple[type, ...] = (ev.KVArrived, ev.KVFailed, ev.KVAbandoned, ev.AbortRequested, ev.Finished)
 
-TRANSITIONS: dict[State, dict[str, State]] = {
+TRANSITIONS: dict[State, dict[Trigger, State]] = {
     State.QUEUED: {
-        "admit": State.QUERYING,  # L3 has candidates: ask it
-        "admit_local": State.RESTORING,  # nothing to ask L3
-        "AbortRequested": State.ABORTED,
-        "reject": State.FAILED,  # can never fit L1
+        Decision.ADMIT: State.QUERYING,
+        Decision.ADMIT_LOCAL: State.RESTORING,
+        ev.AbortRequested: State.ABORTED,
+        Decision.REJECT: State.FAILED,
     },
     State.QUERYING: {
-        "l3_known": State.RESTORING,
+        Decision.L3_KNOWN: State.RESTORING,
         # The L2 span's load-back starts at admission; if it fails, its fallback transfer can
         # complete or fail before L3 answers.
-        "KVArrived": State.QUERYING,
-        "KVFailed": State.QUERYING,
-        "transfer_failed": State.FAILED,
-        "AbortRequested": State.ABORTED,
+        ev.KVArrived: State.QUERYING,
+        ev.KVFailed: State.QUERYING,
+        Decision.TRANSFER_FAILED: State.FAILED,
+        ev.AbortRequested: State.ABORTED,
     },
     State.RESTORING: {
-        "KVArrived": State.RESTORING,
-        "KVFailed": State.RESTORING,  # retried
-        "transfer_failed": State.FAILED,  # retries exhausted
-        "ready": State.RUNNING,
-        "AbortRequested": State.ABORTED,
+        ev.KVArrived: State.RESTORING,
+        ev.KVFailed: State.RESTORING,  # retried
+        Decision.TRANSFER_FAILED: State.FAILED,  # retries exhausted
+        Decision.READY: State.READY,
+        ev.AbortRequested: State.ABORTED,
+    },
+    State.READY: {
+        Decision.START: State.RUNNING,
+        ev.AbortRequested: State.ABORTED,
     },
     State.RUNNING: {
-        "Decoded": State.RUNNING,
-        "retract": State.RETRACTED,
-        "Finished": State.FINISHED,
-        "AbortRequested": State.ABORTED,
+        ev.Decoded: State.RUNNING,
+        Decision.RETRACT: State.RETRACTED,
+        ev.Finished: State.FINISHED,
+        ev.AbortRequested: State.ABORTED,
     },
     State.RETRACTED: {
-        "resume": State.QUEUED,
-        "AbortRequested": State.ABORTED,
+        Decision.RESUME: State.QUEUED,
+        ev.AbortRequested: State.ABORTED,
     },
-    State.FINISHED: {"AbortRequested": State.FINISHED},
-    State.ABORTED: {k: State.ABORTED for k in _LATE},
-    State.FAILED: {k: State.FAILED for k in _LATE},
+    State.FINISHED: {ev.AbortRequested: State.FINISHED},
+    State.ABORTED: dict.fromkeys(_LATE, State.ABORTED),
+    State.FAILED: dict.fromkeys(_LATE, State.FAILED),
 }
+
+
+def trigger_name(trigger: Trigger) -> str:
+    """The name a trigger goes by in errors and diagrams."""
+    return trigger.value if isinstance(trigger, Decision) else trigger.__name__
 
 
 def mermaid() -> str:
@@ -78,7 +106,7 @@ def mermaid() -> str:
         for trigger, nxt in moves.items():
             if state.terminal and nxt is state:
                 continue
-            lines.append(f"    {state.value} --> {nxt.value}: {trigger}")
+            lines.append(f"    {state.value} --> {nxt.value}: {trigger_name(trigger)}")
     lines += [f"    {s.value} --> [*]" for s in State if s.terminal]
     return "\n".join(lines)
 

@@ -2,21 +2,27 @@
 
 Nodes hold runs of chained page keys; a child is found by the key of its first page in O(1).
 The tree decides and records; the copies it needs (backups L1->L2, stores L2->L3) leave it as
-commands in `outbox`, and their completions come back through `backup_done` / `store_done`.
+commands in `outbox`, and their completions come back through `backup_done` / `store_done`,
+each naming the pages that failed: a page is marked present on a tier only once its bytes are
+there. An L2 copy found bad (`drop_host`) leaves the tree at once; slots that a pin or an
+operation in flight still uses are freed when it lets go ("retired" slots).
 
 Invariants (checked by `check`, property-tested):
 - every node except the root holds its pages on L1, on L2, or on both;
 - nodes holding L1 slots form a root-connected prefix of every path, and so do nodes
   holding L2 slots;
 - `lock_ref > 0` nodes keep their L1 slots; `host_ref > 0` nodes keep their L2 slots;
-- every slot the tree holds is owned by the tree in its pool, and by one node only.
+- every slot the tree holds is owned by the tree in its pool, and by one node only (or is
+  retired, waiting for the pins and operations that still use it);
+- no node is demoted to L2 only while an ancestor's L2 copy is still being written, so a failed
+  backup never strands an L2-only node below a node without an L2 copy.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import attrs
 import numpy as np
@@ -47,7 +53,9 @@ class TreeStats:
     dropped: int = 0
     host_evicted: int = 0
     backed_up: int = 0
-    backup_failed: int = 0
+    backup_failed: int = 0  # pages whose backup could not start (no L2 room) or did not complete
+    store_failed: int = 0  # pages a store did not write
+    host_dropped: int = 0  # pages whose L2 copy was found bad (and the L2-only pages below them)
     stored: int = 0
     store_skipped: int = 0  # pages not written to L3 because the store backlog was full
     splits: int = 0
@@ -92,7 +100,10 @@ class TieredRadixTree:
         store_to_l3: bool = False,
         store_backlog_pages: int | None = None,
         on_host_evict: Callable[[list[int]], None] | None = None,
+        ids: Iterator[int] | None = None,
     ) -> None:
+        """`ids` hands out the ids of the tree's commands; a decode node passes the counter its
+        own commands use, so no two commands in flight share an id."""
         self.device_pool = device_pool
         self.host_pool = host_pool
         self.eviction_name = eviction
@@ -115,7 +126,9 @@ class TieredRadixTree:
         self.stats = TreeStats()
         self._l1_heap: list[tuple[tuple[float, ...], int, int, TreeNode]] = []
         self._l2_heap: list[tuple[tuple[float, ...], int, int, TreeNode]] = []
-        self._ops = itertools.count(1)
+        self._ops = ids if ids is not None else itertools.count(1)
+        # Slots whose nodes gave them up while a pin or an op still used them; freed when it ends.
+        self._retired: dict[TreeNode, list[tuple[int, ...]]] = {}
         self._op_nodes: dict[int, list[TreeNode]] = {}
         self._store_ops: set[int] = set()
         self._serials = itertools.count(1)
@@ -347,7 +360,10 @@ class TieredRadixTree:
         while node is not self.root:
             node.host_ref -= 1
             if node.host_ref == 0:
-                self._queue_l2(node)
+                if node in self._retired:
+                    self._free_retired(node)
+                if not node.detached:
+                    self._queue_l2(node)
             node = node.parent  # type: ignore[assignment]
 
     @property
@@ -424,6 +440,9 @@ class TieredRadixTree:
             and node.dev_children == 0
             and not node.host_pending
             and node.parent is not None
+            # Dropping it would take it out of the tree under an operation (a store still
+            # reading its retired L2 copy): it waits for the operation to end.
+            and not (node.host is None and node.ops)
         )
 
     def _l2_evictable(self, node: TreeNode) -> bool:
@@ -434,6 +453,7 @@ class TieredRadixTree:
             and not node.children
             and not node.ops
             and node.parent is not None
+            and not node.detached
         )
 
     def _demote(self, node: TreeNode) -> None:
@@ -512,27 +532,145 @@ class TieredRadixTree:
         self.outbox.append(Backup(op, tuple(device), host_slots))
         return True
 
-    def backup_done(self, op: int) -> BackupResult:
-        """A `Backup` completed: its L2 copies are valid, and write-back victims leave L1."""
-        if op in self._store_ops or op not in self._op_nodes:
+    def backup_done(self, op: int, failed: Sequence[int] = ()) -> BackupResult:
+        """A `Backup` ended: its L2 copies are valid, and write-back victims leave L1. From the
+        first failed page on (`failed`: indices into the command's pages) nothing of it is kept
+        on L2, nor anything below it in the tree: L2 copies must stay root-connected."""
+        nodes = self._op_nodes.get(op)
+        if op in self._store_ops or nodes is None:
             raise CoreError(f"backup_done: no backup #{op} is in flight")
-        nodes = self._path_order(self._op_nodes.pop(op))
+        nodes = self._path_order(nodes)
+        total = sum(len(n.keys) for n in nodes)
+        first_bad = _first_failed(failed, total, f"backup_done #{op}")
+        del self._op_nodes[op]
         keys: list[int] = []
+        good: list[TreeNode] = []
+        start = 0
         for n in nodes:
             n.ops.discard(op)
-            n.host_pending = False
-            keys.extend(n.keys)
-            self._queue_l1(n)
+            self._free_retired_if_idle(n)  # an earlier L2 copy given up while this op ran
+            size = len(n.keys)
+            if n.host is None:  # its L2 copy was given up while the copy ran
+                self._queue_l1(n)  # it may have waited for this op to end
+            elif start + size <= first_bad:
+                n.host_pending = False
+                keys.extend(n.keys)
+                good.append(n)
+                self._queue_l1(n)
+            elif start < first_bad:  # the failure falls inside this node: keep its upper part
+                upper = self._split(n, first_bad - start)
+                upper.host_pending = False
+                keys.extend(upper.keys)
+                good.append(upper)
+                self._queue_l1(upper)
+            start += size
         self.stats.backed_up += len(keys)
+        if first_bad < total:
+            bad = [n for n in nodes if n.host is not None and n.host_pending]
+            for n in bad:
+                self.stats.backup_failed += self._drop_host_below(n)
         demoted: list[int] = []
         for n in reversed(nodes):  # deepest first: a parent is a leaf once its child is demoted
-            if n.evict_after_backup and self._l1_evictable(n):
+            if n.evict_after_backup and n.host is not None and self._l1_evictable(n):
                 self._demote(n)
                 demoted.extend(n.keys)
+            if n.evict_after_backup and n.host is None:
+                self._queue_l1(n)  # its backup failed: back in line (dropped if evicted again)
             n.evict_after_backup = False
         if self.store_to_l3:
-            self._store([n for n in nodes if not n.in_l3])
+            self._store([n for n in good if not n.in_l3])
         return BackupResult(keys, demoted)
+
+    def _drop_host_below(self, node: TreeNode) -> int:
+        """Give up the L2 copy of `node` and of every node below it (L2 copies stay
+        root-connected): nodes on L1 stay there, nodes on L2 only leave the tree. Returns pages."""
+        pages = 0
+        gone: list[int] = []
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            if n.host is None:
+                continue  # nothing below it is on L2 either
+            pages += len(n.keys)
+            if n.device is not None:
+                stack.extend(n.children.values())
+                self._retire_host(n)
+                self._queue_l1(n)  # no backup in flight any more: evictable again (by dropping)
+            else:
+                gone += self._cut_out(n)
+        if gone and self.on_host_evict is not None:
+            self.on_host_evict(gone)
+        return pages
+
+    def _cut_out(self, node: TreeNode) -> list[int]:
+        """Remove an L2-only node and everything below it (all L2-only) from the tree at once.
+        Nodes a pin or an operation still uses keep their parent link and their slots (retired)
+        until it lets go; no match, insert or eviction sees them again. Returns their keys."""
+        parent = node.parent
+        assert parent is not None and node.device is None
+        del parent.children[node.keys[0]]
+        if parent is not self.root and not parent.detached:
+            self._queue_l2(parent)
+        keys: list[int] = []
+        stack = [node]
+        while stack:
+            x = stack.pop()
+            stack.extend(x.children.values())
+            x.children = {}
+            x.detached = True
+            self.num_nodes -= 1
+            keys.extend(x.keys)
+            self._retire_host(x)
+        return keys
+
+    def _retire_host(self, node: TreeNode) -> None:
+        """The node no longer holds its L2 slots; free them now, or once nothing uses them."""
+        slots = node.host
+        assert slots is not None
+        node.host = None
+        node.host_pending = False
+        if node.ops or node.host_ref:  # a copy or a load may still use them
+            self._retired.setdefault(node, []).append(slots)
+        else:
+            self.host_pool.free(slots, TREE, checked=True)
+
+    def _free_retired_if_idle(self, node: TreeNode) -> None:
+        if node in self._retired and not node.ops and node.host_ref == 0:
+            self._free_retired(node)
+
+    def _free_retired(self, node: TreeNode) -> None:
+        if node.ops:
+            return
+        for slots in self._retired.pop(node):
+            self.host_pool.free(slots, TREE, checked=True)
+
+    def drop_host(self, node: TreeNode, page: int) -> int:
+        """The L2 copy of page `page` (counted from the root) on the path to `node` is bad: the
+        tree stops holding it, and every L2 copy below it, so no match reads it again. Nodes on
+        L2 only leave the tree; slots that pins or operations still use are freed when they let
+        go. Returns the pages whose L2 copy was dropped (0 if it was dropped already)."""
+        path: list[TreeNode] = []
+        n = node
+        while n is not self.root:
+            if n.detached or n.parent is None:
+                return 0  # cut out already
+            path.append(n)
+            n = n.parent  # type: ignore[assignment]
+        start = 0
+        for n in reversed(path):
+            size = len(n.keys)
+            if start + size > page:
+                break
+            start += size
+        else:
+            raise CoreError(f"drop_host: page {page} lies below {node!r}")
+        if n.host is None:
+            return 0
+        if page > start:
+            self._split(n, page - start)  # the upper part keeps its copy; `n` is the lower one
+        dropped = self._drop_host_below(n)
+        self.stats.host_dropped += dropped
+        return dropped
 
     def _store(self, nodes: list[TreeNode]) -> None:
         if not nodes:
@@ -554,20 +692,55 @@ class TieredRadixTree:
         self._store_ops.add(op)
         self.outbox.append(Store(op, tuple(keys), tuple(host)))
 
-    def store_done(self, op: int) -> list[int]:
-        """A `Store` completed: its pages are in L3. Returns their keys."""
+    def store_done(self, op: int, failed: Sequence[int] = ()) -> list[int]:
+        """A `Store` ended: its pages are in L3 except `failed` (indices into the command's
+        pages). Returns the keys now in L3."""
         if op not in self._store_ops:
             raise CoreError(f"store_done: no store #{op} is in flight")
+        nodes = self._path_order(self._op_nodes[op])
+        total = sum(len(n.keys) for n in nodes)
+        bad = set(failed)
+        if any(not isinstance(i, int) or not 0 <= i < total for i in bad):
+            raise CoreError(f"store_done #{op}: failed pages {sorted(failed)!r} outside [0, {total})")
         self._store_ops.discard(op)
+        del self._op_nodes[op]
         keys: list[int] = []
-        for n in self._path_order(self._op_nodes.pop(op)):
+        start = 0
+        for n in nodes:
+            size = len(n.keys)
             n.ops.discard(op)
-            n.in_l3 = True
-            keys.extend(n.keys)
-            self._queue_l2(n)
+            if n.detached:  # cut out meanwhile: only its retired slots wait for this op
+                pass
+            elif not bad:
+                n.in_l3 = True
+                keys.extend(n.keys)
+                self._queue_l2(n)
+            else:
+                self._mark_stored(n, start, bad, keys)
+            if n.device is not None:
+                self._queue_l1(n)  # may have waited for this op to end
+            self._free_retired_if_idle(n)
+            start += size
         self.stats.stored += len(keys)
-        self.store_pending -= len(keys)
+        self.stats.store_failed += total - len(keys)
+        self.store_pending -= total
         return keys
+
+    def _mark_stored(self, node: TreeNode, start: int, bad: set[int], keys: list[int]) -> None:
+        """Mark the pages of `node` (the store's pages from `start`) that are not `bad` as in
+        L3, splitting it where success changes so `in_l3` is exact for every node."""
+        offset = start
+        while True:
+            ok = offset not in bad
+            cut = next((j for j in range(1, len(node.keys)) if (offset + j not in bad) != ok), 0)
+            part = self._split(node, cut) if cut else node
+            if ok:
+                part.in_l3 = True
+                keys.extend(part.keys)
+            self._queue_l2(part)
+            if not cut:
+                return
+            offset += cut
 
     def _path_order(self, nodes: list[TreeNode]) -> list[TreeNode]:
         """`nodes` of one operation in the order of its command's pages (root side first), also
@@ -727,6 +900,8 @@ class TieredRadixTree:
                 raise CoreError(f"{where}: on L2 below a parent that is not")
             if n.host_pending and n.device is None:
                 raise CoreError(f"{where}: backup pending without its L1 source")
+            if n.host_pending and not n.ops:
+                raise CoreError(f"{where}: backup pending without a backup in flight")
             if n.lock_ref != lock_expect.get(n.id, 0):
                 raise CoreError(f"{where}: lock_ref {n.lock_ref}, receipts say {lock_expect.get(n.id, 0)}")
             if n.host_ref != pin_expect.get(n.id, 0):
@@ -739,6 +914,14 @@ class TieredRadixTree:
             stack.extend((c, n) for c in n.children.values())
         if count != self.num_nodes:
             raise CoreError(f"tree check: num_nodes {self.num_nodes}, found {count}")
+        for node, retired in self._retired.items():
+            if not (node.ops or node.host_ref):
+                raise CoreError(f"tree check: {node!r} keeps retired L2 slots that nothing uses")
+            for slots in retired:
+                for s in slots:
+                    if s in host_seen:
+                        raise CoreError(f"tree check: retired L2 slot {s} also held by a node")
+                    host_seen.add(s)
         for pool, seen in ((self.device_pool, dev_seen), (self.host_pool, host_seen)):
             pool.check()
             owned = set(pool.owned_by(TREE))
@@ -746,6 +929,13 @@ class TieredRadixTree:
                 raise CoreError(
                     f"tree check: {pool.name} pool gives the tree {len(owned)} slots, nodes hold {len(seen)}"
                 )
+
+
+def _first_failed(failed: Sequence[int], total: int, what: str) -> int:
+    """The first failed page of an operation over `total` pages (`total` when none failed)."""
+    if any(not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < total for i in failed):
+        raise CoreError(f"{what}: failed pages {sorted(failed)!r} outside [0, {total})")
+    return min(failed, default=total)
 
 
 def _as_tuple(keys: Sequence[int] | np.ndarray) -> tuple[int, ...]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 
-from hicache.core.errors import PolicyError
+from hicache.core.policy_enum import parse_policy
 
 
 class WritePolicy(enum.Enum):
@@ -22,10 +22,4 @@ class WritePolicy(enum.Enum):
 
     @classmethod
     def parse(cls, name: str | WritePolicy) -> WritePolicy:
-        if isinstance(name, WritePolicy):
-            return name
-        try:
-            return cls(name)
-        except ValueError:
-            known = ", ".join(p.value for p in cls)
-            raise PolicyError(f"unknown write policy {name!r}; expected one of: {known}") from None
+        return parse_policy(cls, name, "unknown write policy")

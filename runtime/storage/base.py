@@ -5,13 +5,18 @@ only useful up to its first missing page, so `exists` and `get` count consecutiv
 first and `get` reads nothing past a miss. A page that fails verification is a miss: a backend
 never reports a page it cannot vouch for, so a shortfall degrades the restore instead of
 corrupting the KV.
+
+Reads can be cancelled (a decode node stops a prefetch its policy gave up on): a `get` reports
+the pages that landed through its `progress` callback as they land, and once it returns or
+raises no byte of it can still land in the pool, so a caller knows exactly which pages it may
+use and when the rest of its pages are free again.
 """
 
 from __future__ import annotations
 
 import numbers
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
 import attrs
@@ -76,6 +81,10 @@ def check_batch(
     return values, idx
 
 
+Progress = Callable[[int], None]
+"""Called with n once pages [0, n) of a `get` have landed intact."""
+
+
 @attrs.define
 class StoreStats:
     """Counters of one backend; pages, not calls."""
@@ -100,14 +109,22 @@ class StorageBackend(Protocol):
         """How many consecutive keys, from the first, the store holds (a hint: `get` verifies)."""
         ...
 
-    async def get(self, keys: Sequence[object], pool: KVPool, pages: PageIndices) -> int:
+    async def get(
+        self, keys: Sequence[object], pool: KVPool, pages: PageIndices, *, progress: Progress | None = None
+    ) -> int:
         """Read `keys[i]` into `pool` page `pages[i]`, in order, stopping at the first missing,
         truncated or corrupt page; return how many pages were read intact. Pages from the one
-        that failed on may have been overwritten and must not be used."""
+        that failed on may have been overwritten and must not be used.
+
+        `progress(n)` is called whenever pages [0, n) have landed intact. A cancelled `get`
+        raises `trio.Cancelled` only once nothing it started can still write to `pool` (a
+        read in a worker thread is waited for); its pages are then those last reported."""
         ...
 
-    async def put(self, keys: Sequence[object], pool: KVPool, pages: PageIndices) -> None:
-        """Write `pool` page `pages[i]` under `keys[i]`; a key already present may be skipped."""
+    async def put(self, keys: Sequence[object], pool: KVPool, pages: PageIndices) -> list[int]:
+        """Write `pool` page `pages[i]` under `keys[i]`; a key already present may be skipped.
+        Return the positions (into `keys`) of the pages the store does not hold afterwards, so a
+        caller never counts a page as stored that is not."""
         ...
 
     async def aclose(self) -> None: ...

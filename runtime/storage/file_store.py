@@ -38,7 +38,7 @@ import trio
 
 from hicache.runtime.kv_layout import KVLayout
 from hicache.runtime.kv_pool import KVPool, PageIndices
-from hicache.runtime.storage.base import StoreStats, check_batch, key_values
+from hicache.runtime.storage.base import Progress, StoreStats, check_batch, key_values
 
 MAGIC = b"HICKVPG\0"
 VERSION = 1
@@ -74,6 +74,7 @@ class _Outcome:
     misses: int = 0
     corrupt: int = 0
     skipped: int = 0
+    cancelled: bool = False  # the calling task was cancelled: the thread stopped between pages
 
 
 class FileStore:
@@ -84,7 +85,9 @@ class FileStore:
     never exposes a partial one. `delete_corrupt=True` removes a page file that fails
     verification so the next `put` of that key rewrites it. Blocking I/O runs on worker threads
     under the store's own limiter of `threads` tokens; `get` and `put` hand batches of about
-    `chunk_bytes` to a thread at a time so a cancellation takes effect between batches.
+    `chunk_bytes` to a thread at a time so a cancellation takes effect between batches. A
+    cancelled `get` waits for its thread, which stops at the next page boundary: the pages it
+    read are reported (`progress`), and nothing writes to the pool once `get` has raised.
     """
 
     def __init__(
@@ -147,7 +150,9 @@ class FileStore:
             return 0
         return await trio.to_thread.run_sync(self._count_present, values, limiter=self._limiter)
 
-    async def get(self, keys: Sequence[object], pool: KVPool, pages: PageIndices) -> int:
+    async def get(
+        self, keys: Sequence[object], pool: KVPool, pages: PageIndices, *, progress: Progress | None = None
+    ) -> int:
         values, idx = check_batch("FileStore.get", self.layout, keys, pool, pages, into_pool=True)
         self._check_open()
         await trio.lowlevel.checkpoint()
@@ -155,6 +160,7 @@ class FileStore:
         done = 0
         for start in range(0, len(values), self._chunk_pages):
             end = start + self._chunk_pages
+            # Not abandoned on cancel: the thread writes into `rows`, so it is waited for.
             out = await trio.to_thread.run_sync(
                 self._read_pages, values[start:end], idx[start:end], rows, limiter=self._limiter
             )
@@ -163,11 +169,16 @@ class FileStore:
             self.stats.corrupt += out.corrupt
             self.stats.bytes_read += out.done * self.layout.page_bytes
             done += out.done
+            if progress is not None:
+                progress(done)
+            if out.cancelled:
+                await trio.lowlevel.checkpoint()  # raises Cancelled; the thread has returned
             if out.done < len(values[start:end]):
                 break
         return done
 
-    async def put(self, keys: Sequence[object], pool: KVPool, pages: PageIndices) -> None:
+    async def put(self, keys: Sequence[object], pool: KVPool, pages: PageIndices) -> list[int]:
+        """Every page is written or already present afterwards (a failed write raises)."""
         values, idx = check_batch("FileStore.put", self.layout, keys, pool, pages, into_pool=False)
         self._check_open()
         await trio.lowlevel.checkpoint()
@@ -180,6 +191,7 @@ class FileStore:
             self.stats.written += out.done
             self.stats.skipped += out.skipped
             self.stats.bytes_written += out.done * self.layout.page_bytes
+        return []
 
     async def aclose(self) -> None:
         self._closed = True
@@ -199,6 +211,8 @@ class FileStore:
 
     def _read_pages(self, keys: list[int], pages: list[int], rows: np.ndarray) -> _Outcome:
         for i, (key, page) in enumerate(zip(keys, pages, strict=True)):
+            if i and _caller_cancelled():
+                return _Outcome(done=i, cancelled=True)
             status = self._read_page(key, rows[page])
             if status != "ok":
                 return _Outcome(done=i, misses=int(status == "missing"), corrupt=int(status == "corrupt"))
@@ -268,6 +282,15 @@ class FileStore:
                 os.fsync(fd)
             finally:
                 os.close(fd)
+
+
+def _caller_cancelled() -> bool:
+    """In a worker thread of `trio.to_thread.run_sync`: whether its caller was cancelled."""
+    try:
+        trio.from_thread.check_cancelled()
+    except trio.Cancelled:
+        return True
+    return False
 
 
 def _read_full(f: io.FileIO, view: memoryview) -> int:

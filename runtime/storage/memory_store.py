@@ -11,14 +11,15 @@ import trio
 
 from hicache.runtime.kv_layout import KVLayout
 from hicache.runtime.kv_pool import KVPool, PageIndices
-from hicache.runtime.storage.base import StoreStats, check_batch, key_values
+from hicache.runtime.storage.base import Progress, StoreStats, check_batch, key_values
 
 
 class MemoryStore:
     """Immutable byte copies of pages by key, least recently used evicted beyond `capacity_pages`
     (0 = unbounded). A `get` hit counts as a use; `exists` does not, since a query is not a read.
 
-    Copies run inline on the event loop: this store is meant for sizes where a memcpy is short.
+    Copies run inline on the event loop, after one checkpoint: this store is meant for sizes
+    where a memcpy is short, and a cancelled `get` has copied nothing.
     """
 
     def __init__(self, layout: KVLayout, capacity_pages: int = 0) -> None:
@@ -49,23 +50,29 @@ class MemoryStore:
                 return i
         return len(values)
 
-    async def get(self, keys: Sequence[object], pool: KVPool, pages: PageIndices) -> int:
+    async def get(
+        self, keys: Sequence[object], pool: KVPool, pages: PageIndices, *, progress: Progress | None = None
+    ) -> int:
         values, idx = check_batch("MemoryStore.get", self.layout, keys, pool, pages, into_pool=True)
         self._check_open()
         await trio.lowlevel.checkpoint()
         rows = pool.bytes_view().numpy()
+        done = len(values)
         for i, (key, page) in enumerate(zip(values, idx, strict=True)):
             data = self._pages.get(key)
             if data is None:
                 self.stats.misses += 1
-                return i
+                done = i
+                break
             self._pages.move_to_end(key)
             rows[page] = np.frombuffer(data, dtype=np.uint8)
             self.stats.hits += 1
             self.stats.bytes_read += len(data)
-        return len(values)
+        if progress is not None:
+            progress(done)
+        return done
 
-    async def put(self, keys: Sequence[object], pool: KVPool, pages: PageIndices) -> None:
+    async def put(self, keys: Sequence[object], pool: KVPool, pages: PageIndices) -> list[int]:
         values, idx = check_batch("MemoryStore.put", self.layout, keys, pool, pages, into_pool=False)
         self._check_open()
         await trio.lowlevel.checkpoint()
@@ -81,6 +88,8 @@ class MemoryStore:
             if self.capacity_pages and len(self._pages) > self.capacity_pages:
                 self._pages.popitem(last=False)
                 self.stats.evicted += 1
+        # A batch larger than the capacity evicts some of its own pages again.
+        return [i for i, key in enumerate(values) if key not in self._pages]
 
     async def aclose(self) -> None:
         self._closed = True

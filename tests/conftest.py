@@ -1,0 +1,37 @@
+"""Hypothesis settings profiles, chosen by the environment variable HICACHE_HYPOTHESIS_PROFILE.
+
+- "ci" (the default): hypothesis' default 100 examples, no deadline (the first call of a numba
+  kernel compiles, and a loaded CI machine is slow), and no too_slow health check.
+- "long": 2000 examples, for a soak before a release or after touching the core.
+- "dev": 20 examples, for a quick edit-test loop.
+
+A property test that sets its own example count does so through `builders.examples(n)`, which
+scales `n` by the same profile (twenty times under "long"); the profile fills in everything a
+test does not set. `pytest --hypothesis-profile NAME` also works
+and wins over the variable (hypothesis' plugin loads it after this file).
+"""
+
+from __future__ import annotations
+
+import os
+
+from hypothesis import HealthCheck, settings
+
+PROFILE_VARIABLE = "HICACHE_HYPOTHESIS_PROFILE"
+
+settings.register_profile(
+    "ci",
+    max_examples=100,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile("long", parent=settings.get_profile("ci"), max_examples=2000)
+settings.register_profile("dev", parent=settings.get_profile("ci"), max_examples=20)
+
+
+def _profile_name() -> str:
+    """The profile the environment asks for; an unknown name fails here, before any test runs."""
+    return os.environ.get(PROFILE_VARIABLE, "").strip() or "ci"
+
+
+settings.load_profile(_profile_name())
