@@ -163,6 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
         decode.add_argument(f"--{name}", default=None)
     decode.add_argument("--prefetch-threshold-tokens", type=int, default=None)
     decode.add_argument("--decode-reserve-tokens", type=int, default=None)
+    decode.add_argument(
+        "--max-running", type=int, default=None, help="requests in the decode batch at once (0: no limit)"
+    )
     decode.add_argument("--no-storage", action="store_true", help="no L3 at all")
     decode.add_argument(
         "--faults",
@@ -340,6 +343,7 @@ def _decode_config(args: argparse.Namespace):
             "retract_policy",
             "prefetch_threshold_tokens",
             "decode_reserve_tokens",
+            "max_running",
         )
         if getattr(args, key) is not None
     }

@@ -46,6 +46,7 @@ def node_args(scenario: Scenario, engine: str, storage_dir: Path, prefill_port: 
         "--retract-policy", c.retract_policy,
         "--prefetch-threshold-tokens", str(c.prefetch_threshold_tokens),
         "--decode-reserve-tokens", str(c.decode_reserve_tokens),
+        "--max-running", str(scenario.cluster.max_running),
         "--tick-interval", str(scenario.cluster.tick_interval),
     ] + (["--faults", scenario.faults.to_arg()] if scenario.faults is not None else [])  # fmt: skip
 

@@ -35,8 +35,8 @@ class WrongKV(AssertionError):
 
 class World:
     """Executes one core's commands against slot-identity hardware. Like a real driver it reads
-    nothing of the core but what its commands and events say (checked by `tests/test_layers.py`'s
-    driver rule)."""
+    nothing of the core but what its commands and events say (checked by
+    `tests/test_driver_contract.py`)."""
 
     def __init__(self, config: DecodeConfig, *, core: DecodeNodeCore | None = None) -> None:
         self.cfg = config
@@ -64,6 +64,7 @@ class World:
         self.accounts: dict[str, Account] = {}
         self.retracts: list[str] = []
         self.log: list[cmd.Command] = []
+        self.fed: list[ev.Event] = []  # every event the core took
         self.ids: set[int] = set()  # every command id handed out so far
         self.observe: Callable[[cmd.Command], None] | None = None  # a test's check of each command
         self.dispatcher = Dispatcher(self.core, self.handlers(), "test world")
@@ -123,6 +124,7 @@ class World:
             self.dispatcher.feed(event)
             if isinstance(event, ev.Decoded):
                 self.keys[event.req] += event.new_keys
+        self.fed.append(event)
         return self.log[mark:]
 
     def _new_id(self, i: int) -> None:

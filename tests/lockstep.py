@@ -77,7 +77,12 @@ class Lockstep:
     # ------------------------------------------------------------------ checks
 
     def check_same(self) -> None:
-        """Every rank has emitted the same commands (collective ids, kinds and keys included)."""
+        """Every rank was fed the same shared events in the same order (the contract of
+        `hicache/core/events.py`: only `RANK_LOCAL` events may differ) and has emitted the same
+        commands (collective ids, kinds and keys included)."""
+        shared = [[e for e in w.fed if isinstance(e, ev.SHARED)] for w in self.worlds]
+        for rank, events in enumerate(shared[1:], start=1):
+            assert events == shared[0], f"rank {rank} was fed other shared events than rank 0"
         start = self.seen
         logs = [[shape(c) for c in w.log[start:]] for w in self.worlds]
         for rank, log in enumerate(logs[1:], start=1):

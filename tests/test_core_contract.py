@@ -100,3 +100,9 @@ def test_the_log_of_events_alone_replays_a_run() -> None:
     commands = [c for e in log for c in replay.handle(e)]
     assert commands == w.log
     assert replay.snapshot() == w.core.snapshot()
+
+
+def test_every_event_is_either_shared_by_all_ranks_or_rank_local() -> None:
+    events = set(typing.get_args(ev.Event))
+    assert set(ev.SHARED) | set(ev.RANK_LOCAL) == events
+    assert not set(ev.SHARED) & set(ev.RANK_LOCAL)

@@ -36,7 +36,12 @@ from hicache.core.states import State
 from hicache.core.write_policy import WritePolicy
 
 OUTCOME = {State.FINISHED: "finished", State.ABORTED: "aborted", State.FAILED: "failed"}
-ADMITTED = (State.QUERYING, State.RESTORING, State.RUNNING)  # holding L1 (and a lock on its match)
+ADMITTED = (
+    State.QUERYING,
+    State.RESTORING,
+    State.READY,
+    State.RUNNING,
+)  # holding L1 (and a lock on its match)
 
 
 @st.composite
@@ -77,6 +82,7 @@ def configs(draw: st.DrawFn) -> DecodeConfig:
         decode_reserve_tokens=draw(st.integers(0, 2 * page)),
         transfer_retries=draw(st.integers(0, 2)),
         retract_policy=draw(st.sampled_from(RETRACT_POLICIES)),
+        max_running=draw(st.sampled_from([0, 0, 1, 2]), label="max_running"),  # 0: no batch limit
         **estimates,
     )
 

@@ -73,9 +73,7 @@ class DecodeConfig:
     l2_pages: int = attrs.field(validator=_at_least(0))
     page_size: int = attrs.field(default=64, validator=_at_least(1))
     eviction: str = attrs.field(default="lru", validator=_one_of(tuple(EVICTION_POLICIES)))
-    write_policy: str = attrs.field(
-        default="write_through", validator=_one_of(tuple(p.value for p in WritePolicy))
-    )
+    write_policy: WritePolicy = _policy(WritePolicy, "write_policy", WritePolicy.WRITE_THROUGH)
     storage: bool = True  # an L3 is attached: query it, prefetch from it, store to it
     radix: bool = True  # keep finished sequences in the tree; False: no decode-side cache at all
     # At most this share of L2 may wait on stores to L3; beyond it pages are not stored (writes

@@ -9,7 +9,8 @@ events in the same order: `RequestArrived`, `Tick`, `KVArrived`, `KVFailed`, `KV
 `BackupDone`, `StoreDone`, `TimerFired`, `Decoded`, `Finished`, `AbortRequested`, `Agreed`,
 `EvictRequested` and `ForgetRequested`. The *rank-local* events `StorageQueried`,
 `PrefetchProgress`, `PrefetchDone` and `LoadDone` may differ between ranks: the core acts on them
-only through agreements (`Agree` / `Agreed`), so the ranks keep deciding alike.
+only through agreements (`Agree` / `Agreed`), so the ranks keep deciding alike. `SHARED` and
+`RANK_LOCAL` at the end of this module list them.
 """
 
 from __future__ import annotations
@@ -219,3 +220,24 @@ Event = (
     | EvictRequested
     | ForgetRequested
 )
+
+SHARED: tuple[type, ...] = (
+    RequestArrived,
+    Tick,
+    KVArrived,
+    KVFailed,
+    KVAbandoned,
+    BackupDone,
+    StoreDone,
+    TimerFired,
+    Decoded,
+    Finished,
+    AbortRequested,
+    Agreed,
+    EvictRequested,
+    ForgetRequested,
+)
+"""Events every TP rank must be fed alike and in the same order."""
+
+RANK_LOCAL: tuple[type, ...] = (StorageQueried, PrefetchProgress, PrefetchDone, LoadDone)
+"""Events that may differ between ranks: the core acts on them only through agreements."""

@@ -7,7 +7,7 @@ import enum
 from hicache.core.policy_enum import parse_policy
 
 
-class WritePolicy(enum.Enum):
+class WritePolicy(enum.StrEnum):
     """`write_through` backs up on first insert, `write_through_selective` once a node has been
     used by a second request, `write_back` only when the node is evicted from L1."""
 
