@@ -230,8 +230,10 @@ class DecodeDriver:
     def _store_done(self, c: cmd.Store, written: tuple[int, ...]) -> None:
         """Storage holds `written` now; the Store's other pages are reported failed."""
         self.store.add(written)  # type: ignore[union-attr]
-        held = set(written)
-        failed = tuple(i for i, k in enumerate(c.keys) if k not in held)
+        failed: tuple[int, ...] = ()
+        if len(written) != len(c.keys):
+            held = set(written)
+            failed = tuple(i for i, k in enumerate(c.keys) if k not in held)
         self._feed(ev.StoreDone(self.loop.now, c.op, failed))
 
     def _set_timer(self, c: cmd.SetTimer) -> None:

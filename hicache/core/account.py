@@ -20,7 +20,23 @@ class Account:
     def cached(self) -> int:
         return self.l1 + self.l2 + self.l3
 
-    def add(self, **counts: int) -> Account:
-        """This account with `counts` added to the named fields (accounts are values: the one
-        a command carries never changes afterwards)."""
-        return attrs.evolve(self, **{k: getattr(self, k) + v for k, v in counts.items()})
+    def add(
+        self,
+        *,
+        l1: int = 0,
+        l2: int = 0,
+        l3: int = 0,
+        transferred: int = 0,
+        fallback: int = 0,
+        retractions: int = 0,
+    ) -> Account:
+        """This account with the given tokens (or retractions) added (accounts are values: the
+        one a command carries never changes afterwards)."""
+        return Account(
+            self.l1 + l1,
+            self.l2 + l2,
+            self.l3 + l3,
+            self.transferred + transferred,
+            self.fallback + fallback,
+            self.retractions + retractions,
+        )

@@ -230,7 +230,11 @@ class DecodeNodeCore:
         if handler is None:
             raise CoreError(f"unknown event {event!r}")
         at = event.at
-        if not isinstance(at, int | float) or isinstance(at, bool) or at != at:
+        if (
+            at.__class__ is not float
+            and (not isinstance(at, int | float) or isinstance(at, bool))
+            or at != at
+        ):
             raise CoreError(f"{type(event).__name__}: time must be a number, got {at!r}")
         before = self.now
         self.now = max(self.now, at)
@@ -324,7 +328,8 @@ class DecodeNodeCore:
         if self.cfg.tp_size > 1 and self._loads:
             self._agree(AgreeKind.LOAD, self._load_values(), self._on_load_agreed)
         self._issue_loads()
-        self._start_ready()
+        if self._ready:
+            self._start_ready()
 
     def _admit(self) -> None:
         cfg = self.cfg
@@ -367,7 +372,7 @@ class DecodeNodeCore:
             r.reserve = cfg.decode_reserve_pages
             self.reserved += r.reserve
             r.admitted_at = self.now
-            r.account = attrs.evolve(r.account, l1=r.device_pages * page)
+            r.account = r.account.add(l1=r.device_pages * page)  # fresh at each admission
             self.stats.admitted += 1
             self._plan_l2(r)
             candidates = r.prompt_len // page - r.device_pages - r.host_pages

@@ -56,7 +56,7 @@ class Dispatcher:
         """Apply `event` and execute its commands. True when the caller must now schedule one
         `Tick` (the first event since the last tick); False when one is due already."""
         self.events += 1
-        is_tick = isinstance(event, ev.Tick)
+        is_tick = event.__class__ is ev.Tick
         if is_tick:
             self.tick_due = False  # events fed while it runs ask for the next one
         for c in self.core.handle(event):

@@ -25,6 +25,8 @@ class State(enum.Enum):
     ABORTED = "aborted"
     FAILED = "failed"
 
+    __hash__ = object.__hash__  # members are singletons: identity hashing, at C speed
+
     @property
     def terminal(self) -> bool:
         return self in TERMINAL
@@ -42,6 +44,8 @@ class Decision(enum.Enum):
     RETRACT = "retract"  # memory pressure
     RESUME = "resume"  # back to the queue, to be matched again
     TRANSFER_FAILED = "transfer_failed"  # retries exhausted, or abandoned
+
+    __hash__ = object.__hash__
 
 
 Trigger = type | Decision

@@ -548,7 +548,8 @@ class TieredRadixTree:
         start = 0
         for n in nodes:
             n.ops.discard(op)
-            self._free_retired_if_idle(n)  # an earlier L2 copy given up while this op ran
+            if self._retired:
+                self._free_retired_if_idle(n)  # an earlier L2 copy given up while this op ran
             size = len(n.keys)
             if n.host is None:  # its L2 copy was given up while the copy ran
                 self._queue_l1(n)  # it may have waited for this op to end
@@ -719,7 +720,8 @@ class TieredRadixTree:
                 self._mark_stored(n, start, bad, keys)
             if n.device is not None:
                 self._queue_l1(n)  # may have waited for this op to end
-            self._free_retired_if_idle(n)
+            if self._retired:
+                self._free_retired_if_idle(n)
             start += size
         self.stats.stored += len(keys)
         self.stats.store_failed += total - len(keys)
@@ -933,6 +935,8 @@ class TieredRadixTree:
 
 def _first_failed(failed: Sequence[int], total: int, what: str) -> int:
     """The first failed page of an operation over `total` pages (`total` when none failed)."""
+    if not failed:
+        return total
     if any(not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < total for i in failed):
         raise CoreError(f"{what}: failed pages {sorted(failed)!r} outside [0, {total})")
     return min(failed, default=total)
