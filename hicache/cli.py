@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, NoReturn
 
 from hicache.core.errors import PolicyError
 from hicache.faults import FaultSpec
@@ -14,7 +16,85 @@ from hicache.scenarios.scenario import ScenarioError, load_scenario
 from hicache.scenarios.trace_stats import trace_stats
 from hicache.scenarios.traces import TraceError, read_trace
 
+if TYPE_CHECKING:  # the runtime imports torch: only where a node or a replay runs
+    from hicache.runtime.model import TinyConfig
+    from hicache.runtime.nodes import DecodeOptions
+
 DEMO_SCENARIO = Path(_scenarios_init).parent / "demo.toml"
+
+
+class _Parser(argparse.ArgumentParser):
+    """Bad input gets one line naming the flag and exit 2: argparse's usage block would bury it."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def int_in(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse `type`: an integer in [low, high] (no upper bound when `high` is None)."""
+    want = f"an integer >= {low}" if high is None else f"an integer in {low}..{high}"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {want}, got {text!r}") from None
+        if value < low or high is not None and value > high:
+            raise argparse.ArgumentTypeError(f"expected {want}, got {text!r}")
+        return value
+
+    return parse
+
+
+def float_above(low: float, *, inclusive: bool = False) -> Callable[[str], float]:
+    """An argparse `type`: a finite number > low (>= low when `inclusive`)."""
+    want = f"a finite number {'>=' if inclusive else '>'} {low:g}"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {want}, got {text!r}") from None
+        if not math.isfinite(value) or value < low or value == low and not inclusive:
+            raise argparse.ArgumentTypeError(f"expected {want}, got {text!r}")
+        return value
+
+    return parse
+
+
+PORT = int_in(0, 65535)  # 0: the system picks a free port (the node prints it when ready)
+
+
+def mmap_threshold(text: str) -> int:
+    """An argparse `type` for --mmap-threshold: what glibc's mallopt takes, 0 for adaptive."""
+    from hicache.runtime.malloc_tuning import MAX_MMAP_THRESHOLD
+
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= MAX_MMAP_THRESHOLD:
+        raise argparse.ArgumentTypeError(
+            f"mmap threshold: expected 0..{MAX_MMAP_THRESHOLD} bytes, got {text!r}"
+        )
+    return value
+
+
+def host_port(text: str) -> tuple[str, int]:
+    """An argparse `type` for --prefill: HOST:PORT with a port the node can connect to."""
+    host, sep, port = text.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")  # [::1]:4464
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT with a port in 1..65535, got {text!r}")
+    return host, int(port)
+
+
+def directory(text: str) -> Path:
+    """An argparse `type`: a folder, created later where it does not exist yet; never a file."""
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"expected a directory, got {text!r}, which exists and is not one")
+    return path
 
 
 def _add_set(parser: argparse.ArgumentParser) -> None:
@@ -103,7 +183,7 @@ def _add_sim_studies(sim: argparse._SubParsersAction) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hicache", description=__doc__)
+    parser = _Parser(prog="hicache", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser(
         "demo",
@@ -138,33 +218,42 @@ def build_parser() -> argparse.ArgumentParser:
     )
     decode = node.add_parser("decode", help="a decode node: the core, real tiers, real transfers")
     for p in (prefill, decode):
-        p.add_argument("--port", type=int, default=0, help="listening port (0: any free one)")
+        p.add_argument("--port", type=PORT, default=0, help="listening port (0: any free one)")
         p.add_argument("--host", default="127.0.0.1")
         p.add_argument("--engine", choices=["nixl", "tcp"], default="nixl", help="the P->D transfer engine")
-        p.add_argument("--page-size", type=int, default=16, help="tokens per page")
-        p.add_argument("--model-seed", type=int, default=0, help="the small model's weights")
+        p.add_argument("--page-size", type=int_in(1), default=16, help="tokens per page")
+        p.add_argument("--model-seed", type=int_in(0), default=0, help="the small model's weights")
         p.add_argument(
             "--mmap-threshold",
-            type=int,
+            type=mmap_threshold,
             default=128 * 1024,
             metavar="BYTES",
             help="fix glibc's mmap threshold so freed tensors go back to the system and RSS stays flat "
             "(default 131072; 0 leaves glibc's adaptive threshold)",
         )
-    prefill.add_argument("--staging-pages", type=int, default=1024)
+    prefill.add_argument("--staging-pages", type=int_in(1), default=1024)
     decode.add_argument(
-        "--prefill", required=True, metavar="HOST:PORT", help="the prefill node's control port"
+        "--prefill",
+        required=True,
+        type=host_port,
+        metavar="HOST:PORT",
+        help="the prefill node's control port",
     )
-    decode.add_argument("--storage-dir", type=Path, default=None, help="L3 file store (default: in memory)")
-    decode.add_argument("--l1-pages", type=int, default=1024)
-    decode.add_argument("--l2-pages", type=int, default=2048)
-    decode.add_argument("--tick-interval", type=float, default=0.002)
+    decode.add_argument(
+        "--storage-dir", type=directory, default=None, help="L3 file store (default: in memory)"
+    )
+    decode.add_argument("--l1-pages", type=int_in(1), default=1024)
+    decode.add_argument("--l2-pages", type=int_in(0), default=2048)
+    decode.add_argument("--tick-interval", type=float_above(0), default=0.002, help="seconds")
     for name in ("promise", "prefetch-policy", "write-policy", "eviction", "retract-policy"):
         decode.add_argument(f"--{name}", default=None)
-    decode.add_argument("--prefetch-threshold-tokens", type=int, default=None)
-    decode.add_argument("--decode-reserve-tokens", type=int, default=None)
+    decode.add_argument("--prefetch-threshold-tokens", type=int_in(0), default=None)
+    decode.add_argument("--decode-reserve-tokens", type=int_in(0), default=None)
     decode.add_argument(
-        "--max-running", type=int, default=None, help="requests in the decode batch at once (0: no limit)"
+        "--max-running",
+        type=int_in(0),
+        default=None,
+        help="requests in the decode batch at once (0: no limit)",
     )
     decode.add_argument("--no-storage", action="store_true", help="no L3 at all")
     decode.add_argument(
@@ -185,14 +274,22 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--engine", choices=["nixl", "tcp"], default="nixl")
     run.add_argument("--out", type=Path, default=None, help="results folder (default out/<name>-runtime)")
     run.add_argument(
-        "--storage-dir", type=Path, default=None, help="L3 directory (default: a fresh one in --out)"
+        "--storage-dir",
+        type=directory,
+        default=None,
+        help="L3 directory, kept (default: a temporary one in --out, removed at the end)",
     )
-    run.add_argument("--limit", type=int, default=0, help="replay only the first N requests")
+    run.add_argument(
+        "--limit", type=int_in(0), default=0, help="replay only the first N requests (0: all of them)"
+    )
     run.add_argument(
         "--sequential", action="store_true", help="one request at a time, waiting for the node to rest"
     )
     run.add_argument(
-        "--time-scale", type=float, default=1.0, help="multiply arrival times (0: as fast as possible)"
+        "--time-scale",
+        type=float_above(0, inclusive=True),
+        default=1.0,
+        help="multiply arrival times (0: as fast as possible)",
     )
     run.add_argument("--no-verify", action="store_true", help="skip the end-to-end KV and token checks")
     run.add_argument("--quiet", action="store_true")
@@ -206,7 +303,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Reads a Mooncake .jsonl, an Azure .csv, or kv-cache-tester .json file or folder.",
     )
     stats.add_argument("trace", help="the trace file (or a folder of kv-cache-tester sessions)")
-    stats.add_argument("--time-scale", type=float, default=1.0, help="multiply arrival times by this")
+    stats.add_argument(
+        "--time-scale", type=float_above(0), default=1.0, help="multiply arrival times by this (> 0)"
+    )
     return parser
 
 
@@ -361,16 +460,29 @@ def run_node(args: argparse.Namespace) -> int:
     from hicache.runtime.model import TinyConfig
 
     model = TinyConfig(seed=args.model_seed)
-    if args.node_command == "prefill":
-        opts = nodes.PrefillOptions(
-            args.port, args.host, args.engine, args.page_size, model, args.staging_pages, args.mmap_threshold
-        )
-        return nodes.main_prefill(opts)
-    host, _, port = args.prefill.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"--prefill: expected HOST:PORT, got {args.prefill!r}")
-    opts = nodes.DecodeOptions(
-        (host, int(port)),
+    try:
+        if args.node_command == "prefill":
+            opts = nodes.PrefillOptions(
+                args.port,
+                args.host,
+                args.engine,
+                args.page_size,
+                model,
+                args.staging_pages,
+                args.mmap_threshold,
+            )
+            return nodes.main_prefill(opts)
+        return nodes.main_decode(_decode_options(args, model))
+    except nodes.StartupError as exc:  # a port taken, prefill unreachable or refusing: its reason
+        print(f"hicache node {args.node_command}: {exc}", file=sys.stderr)
+        return 2
+
+
+def _decode_options(args: argparse.Namespace, model: TinyConfig) -> DecodeOptions:
+    from hicache.runtime import nodes
+
+    return nodes.DecodeOptions(
+        args.prefill,
         _decode_config(args),
         port=args.port,
         host=args.host,
@@ -381,25 +493,31 @@ def run_node(args: argparse.Namespace) -> int:
         faults=FaultSpec.from_arg(args.faults) if args.faults else None,
         mmap_threshold=args.mmap_threshold,
     )
-    return nodes.main_decode(opts)
 
 
 def run_runtime(args: argparse.Namespace) -> int:
+    from hicache.runtime.launch import NodeFailed
     from hicache.runtime.runner import run_scenario
 
     scenario = load_scenario(args.scenario, args.overrides)
     out = args.out or Path("out") / f"{scenario.name}-runtime"
-    return run_scenario(
-        scenario,
-        out,
-        engine=args.engine,
-        storage_dir=args.storage_dir,
-        limit=args.limit,
-        sequential=args.sequential,
-        time_scale=args.time_scale,
-        verify=not args.no_verify,
-        progress=not args.quiet,
-    )
+    try:
+        return run_scenario(
+            scenario,
+            out,
+            engine=args.engine,
+            storage_dir=args.storage_dir,
+            limit=args.limit,
+            sequential=args.sequential,
+            time_scale=args.time_scale,
+            verify=not args.no_verify,
+            progress=not args.quiet,
+        )
+    except NodeFailed as exc:  # e.g. NIXL missing: the node's own one line, and where its log is
+        print(
+            f"hicache run: the {exc.name} node did not start: {exc.reason} (log: {exc.log})", file=sys.stderr
+        )
+        return 2
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -424,6 +542,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ScenarioError, TraceError, PolicyError, ValueError) as exc:
         print(f"hicache {args.command}: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C before a command's own handling of it (or without one)
+        print(f"hicache {args.command}: interrupted", file=sys.stderr)
+        return 130
     return 0
 
 

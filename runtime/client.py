@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import numpy as np
@@ -11,21 +12,48 @@ from hicache.runtime import protocol
 
 
 class DecodeClient:
-    """One connection; requests on it are answered in order (open several for concurrency)."""
+    """One connection; requests on it are answered in order (open several for concurrency).
 
-    def __init__(self, stream: trio.SocketStream) -> None:
+    A decode node closes a connection that stays idle past its idle timeout, saying `goodbye`
+    first; it read nothing after that, so a request that meets the goodbye (or a connection
+    that refuses the request's bytes) is sent again, once, on a new connection."""
+
+    def __init__(self, stream: trio.SocketStream, address: tuple[str, int] | None = None) -> None:
         self.stream = stream
         self.reader = protocol.FrameReader(stream)
         self.lock = trio.Lock()
+        self.address = address
 
     @classmethod
     async def connect(cls, host: str, port: int) -> DecodeClient:
-        return cls(await trio.open_tcp_stream(host, port))
+        return cls(await trio.open_tcp_stream(host, port), (host, port))
+
+    async def _reconnect(self) -> None:
+        host, port = self.address or self.stream.socket.getpeername()[:2]
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            await self.stream.aclose()
+        self.stream = await trio.open_tcp_stream(host, port)
+        self.reader = protocol.FrameReader(self.stream)
+
+    async def _exchange(self, frame: bytes) -> tuple[dict[str, Any], bytes] | None:
+        """The node's answer to `frame`, or None when the node provably did not read it."""
+        try:
+            await self.stream.send_all(frame)
+        except trio.BrokenResourceError:
+            return None  # the node had closed: a frame it did not receive whole is never served
+        reply, binary = await self.reader.receive()
+        return None if reply["op"] == "goodbye" else (reply, binary)
 
     async def call(self, msg: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
+        frame = protocol.encode(msg)
         async with self.lock:
-            await protocol.send(self.stream, msg)
-            reply, binary = await self.reader.receive()
+            got = await self._exchange(frame)
+            if got is None:
+                await self._reconnect()
+                got = await self._exchange(frame)
+            if got is None:
+                raise protocol.ProtocolError("decode node: closed the connection twice before answering")
+        reply, binary = got
         if reply["op"] == "error":
             raise protocol.ProtocolError(f"decode node: {reply.get('reason')}")
         return reply, binary

@@ -23,12 +23,17 @@ With a `FaultSpec` the service injects faults into its own operations (`runtime/
 checks pages wherever they could go bad: L2 pages against the checksums taken when they were
 written, received pages against prefill's digests. A control connection to prefill that is lost
 is opened again by the next transfer.
+
+Nothing a client or prefill sends stops the node: a bad frame ends its connection, a bad field
+its request, each with a reason in the log (`hicache.runtime.decode`) and, where the protocol
+allows, in an `error` answer; `Limits` bound the connections, the bytes of frames being received
+and the time a frame or an idle connection may take (`runtime/limits.py`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
+import logging
 import math
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -59,9 +64,13 @@ from hicache.runtime.faults import (
 from hicache.runtime.kv_digest import page_digest
 from hicache.runtime.kv_layout import KVLayout
 from hicache.runtime.kv_pool import KVPool
+from hicache.runtime.limits import Gate, Limits, peer_name
 from hicache.runtime.model import TinyModel, from_pages, to_pages
 from hicache.runtime.storage.base import StorageBackend
 from hicache.runtime.transfer.base import TransferEngine
+
+log = logging.getLogger("hicache.runtime.decode")
+MAX_ECHOED_RID = 1024  # a refused request's id is echoed in the error when at most this long
 
 # What a broken or misbehaving control connection to prefill raises.
 _CONTROL_ERRORS = (
@@ -121,9 +130,10 @@ class DecodeService:
         device: str = "cpu",
         faults: FaultSpec | None = None,
         check_pages: bool | None = None,
+        limits: Limits | None = None,
     ) -> None:
         """`check_pages` (default: whenever `faults` are given) verifies every page leaving L2
-        and every page received from prefill."""
+        and every page received from prefill; `limits` bound what clients may hold."""
         if layout.page_size != config.page_size:
             raise ValueError(f"layout page size {layout.page_size} != core page size {config.page_size}")
         self.cfg = config
@@ -137,6 +147,7 @@ class DecodeService:
         self.tick_interval = tick_interval
         self.transfer_timeout = transfer_timeout
         self.fence_timeout = fence_timeout
+        self.gate = Gate(limits if limits is not None else Limits(), log)
         self.abandoned = 0  # transfers given up on without a fence (their requests failed)
         self.l1 = KVPool(layout, config.l1_pages, device=device, name="L1")
         self.l2 = KVPool(layout, max(config.l2_pages, 1), name="L2")
@@ -219,10 +230,18 @@ class DecodeService:
         """Open the control connection (hello: each side learns the other's transfer engine)."""
         stream = await trio.open_tcp_stream(*self._prefill_at)
         try:
-            reader = protocol.FrameReader(stream, max_binary=0)
+            reader = protocol.FrameReader(
+                stream, max_binary=0, frame_timeout=self.gate.limits.frame_timeout_s
+            )
             await protocol.send(stream, {"op": "hello", "info": self.engine.local_info().hex()})
             hello, _ = await reader.receive()
-            await self.engine.add_peer(bytes.fromhex(protocol.field(hello, "info", str)))
+            info = protocol.field(hello, "info", str)
+            try:
+                await self.engine.add_peer(bytes.fromhex(info))
+            except ValueError as exc:  # not hex, or info the engine cannot use
+                raise protocol.ProtocolError(
+                    f"prefill's hello: bad 'info': {protocol.clip(str(exc))}"
+                ) from None
         except BaseException:
             await stream.aclose()
             raise
@@ -233,42 +252,68 @@ class DecodeService:
     # ------------------------------------------------------------------ clients
 
     async def _client(self, stream: trio.SocketStream) -> None:
-        reader = protocol.FrameReader(stream, max_binary=0)
+        """Serve one client connection. Whatever it sends ends at most this connection (or, for
+        a bad field, only that request), with the reason logged and answered."""
+        peer = peer_name(stream)
+        try:
+            if await self.gate.enter(stream, peer):
+                try:
+                    await self._serve_client(stream, peer)
+                finally:
+                    self.gate.leave()
+        finally:
+            await stream.aclose()
+
+    async def _serve_client(self, stream: trio.SocketStream, peer: str) -> None:
+        reader = self.gate.reader(stream, max_binary=0)
         try:
             while True:
                 try:
                     msg, _ = await reader.receive()
                 except EOFError:
                     return
-                op = msg["op"]
-                if op == "generate":
-                    reply, binary = await self._generate(msg)
-                elif op == "evict":
-                    l1 = protocol.field(msg, "l1", int) if "l1" in msg else 1 << 40
-                    l2 = protocol.field(msg, "l2", int) if "l2" in msg else 0
-                    if l1 < 0 or l2 < 0:
-                        raise protocol.ProtocolError("evict: l1 and l2 must be >= 0")
-                    self._feed(ev.EvictRequested(self._now(), l1, l2))
-                    reply, binary = {"op": "evict", "ok": True}, b""
-                elif op == "idle":
-                    while not (self.core.idle and not self.live):
-                        await trio.sleep(self.tick_interval)
-                    reply, binary = {"op": "idle", "ok": True}, b""
-                elif op == "stats":
-                    reply, binary = {"op": "stats", **attrs.asdict(self.core.stats)}, b""
-                elif op == "audit":
-                    reply, binary = {"op": "audit", **self.audit()}, b""
-                else:
-                    reply, binary = {"op": "error", "reason": f"unknown op {op!r}"}, b""
-                await protocol.send(stream, reply, binary)
-        except (protocol.ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-            with (
-                trio.CancelScope(shield=True),
-                contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError),
-            ):
-                await protocol.send(stream, {"op": "error", "reason": str(exc)})
-        finally:
-            await stream.aclose()
+                try:
+                    reply, binary = await self._answer(msg)
+                except protocol.MessageError as exc:  # the frame was whole: answer it, go on
+                    log.warning("client %s: request refused: %s", peer, exc)
+                    reply, binary = {"op": "error", "reason": str(exc)}, b""
+                    rid = msg.get("rid")
+                    if isinstance(rid, str) and len(rid) <= MAX_ECHOED_RID:
+                        reply["rid"] = rid
+                await self.gate.send(stream, reply, binary)
+        except protocol.IdleTimeout as exc:
+            # Nothing of a next request was read: the client may send it again elsewhere.
+            log.info("client %s: closed: %s", peer, exc)
+            await self.gate.send_quietly(stream, {"op": "goodbye", "reason": str(exc)})
+        except protocol.ProtocolError as exc:
+            log.warning("client %s: connection closed: %s", peer, exc)
+            await self.gate.send_quietly(stream, {"op": "error", "reason": str(exc)})
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            log.info("client %s: connection lost: %s", peer, exc or type(exc).__name__)
+        except Exception as exc:  # a bug met by this connection's input: it ends here, not the node
+            log.exception("client %s: connection closed after an internal error", peer)
+            reason = f"internal error: {type(exc).__name__}: {protocol.clip(str(exc))}"
+            await self.gate.send_quietly(stream, {"op": "error", "reason": reason})
+
+    async def _answer(self, msg: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
+        """The answer to one client message; `MessageError` for a missing or bad field."""
+        op = msg["op"]
+        if op == "generate":
+            return await self._generate(msg)
+        if op == "evict":
+            l1 = protocol.int_field(msg, "l1") if "l1" in msg else 1 << 40
+            l2 = protocol.int_field(msg, "l2") if "l2" in msg else 0
+            self._feed(ev.EvictRequested(self._now(), l1, l2))
+            return {"op": "evict", "ok": True}, b""
+        if op == "idle":
+            while not (self.core.idle and not self.live):
+                await trio.sleep(self.tick_interval)
+            return {"op": "idle", "ok": True}, b""
+        if op == "stats":
+            return {"op": "stats", **attrs.asdict(self.core.stats)}, b""
+        if op == "audit":
+            return {"op": "audit", **self.audit()}, b""
+        return {"op": "error", "reason": f"unknown op {protocol.show(op)}"}, b""
 
     def audit(self) -> dict[str, Any]:
         """What the node holds (slots by owner, locks, pins: `DecodeNodeCore.audit`), whether
@@ -285,17 +330,19 @@ class DecodeService:
         return out
 
     async def _generate(self, msg: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
-        rid = protocol.field(msg, "rid", str)
+        """Check every field before anything is touched: a bad one is a `MessageError`."""
+        rid = protocol.text(msg, "rid")
+        prompt = protocol.int_list(msg, "tokens", high=self.model.config.vocab)
+        if not prompt:
+            raise protocol.MessageError("message 'generate': field 'tokens' must hold at least one token")
+        max_new = protocol.int_field(msg, "max_new", low=1)
+        tenant = protocol.text(msg, "tenant") if msg.get("tenant") is not None else None
+        verify = protocol.field(msg, "verify", bool) if msg.get("verify") is not None else False
         duplicate = {"op": "result", "rid": rid, "outcome": "failed", "reason": "duplicate request id"}
         if rid in self.live:
             return duplicate, b""
-        prompt = protocol.int_list(msg, "tokens", high=self.model.config.vocab)
-        max_new = protocol.field(msg, "max_new", int)
-        if not prompt or max_new < 1:
-            raise protocol.ProtocolError("generate: needs at least one prompt token and max_new >= 1")
-        tenant = msg.get("tenant")
-        seed = namespace_seed(self.model_name, tenant if isinstance(tenant, str) else None)
-        live = _Live(rid, prompt, max_new, seed, bool(msg.get("verify", False)), self._now())
+        seed = namespace_seed(self.model_name, tenant)
+        live = _Live(rid, prompt, max_new, seed, verify, self._now())
         keys = page_keys(np.asarray(prompt, dtype=np.int64), self.cfg.page_size, seed).tolist()
         self.live[rid] = live
         try:
@@ -470,6 +517,10 @@ class DecodeService:
             reason = str(reply.get("reason", "prefill failed"))
         elif not reason and end < c.end:
             reason = f"prefill sent {len(dst)} of {len(c.dst_slots)} pages (injected)"
+        if not reason and reply.get("ok"):
+            reason = self._bad_reply(reply, len(dst))
+            if reason:
+                log.warning("transfer %d failed: %s", c.transfer, reason)
         if not reason and self.check_pages:
             if faults is not None and d is not None and d.kind == "corrupt" and dst:
                 faults.applied(d)
@@ -543,6 +594,20 @@ class DecodeService:
         self._notifs.pop(tid, None)
         self._feed(ev.KVFailed(self._now(), req, tid, "abandoned transfer settled"))
 
+    def _bad_reply(self, reply: dict[str, Any], pages: int) -> str:
+        """Why prefill's `ok` answer cannot be used ("" if it can): a peer's fields are checked
+        like a client's, and a bad one fails the transfer instead of the node."""
+        digests = reply.get("digests")
+        if not (
+            isinstance(digests, list) and len(digests) == pages and all(isinstance(d, str) for d in digests)
+        ):
+            got = protocol.show(digests)
+            return f"prefill's answer: field 'digests' must be a list of {pages} strings, got {got}"
+        token = reply.get("first_token")
+        if type(token) is not int or not 0 <= token < self.model.config.vocab:
+            return f"prefill's answer: field 'first_token' must be a token id, got {protocol.show(token)}"
+        return ""
+
     def _check_received(self, dst: list[int], digests: list[str], first: int) -> str:
         """Why the pages a transfer wrote are not what prefill says it sent ("" if they are)."""
         for j, digest in enumerate(digests):
@@ -565,10 +630,34 @@ class DecodeService:
     async def _prefill_replies(
         self, reader: protocol.FrameReader, stream: trio.SocketStream, gen: int
     ) -> None:
+        """Hand prefill's answers to the transfers waiting for them; a connection that breaks or
+        says something unusable is dropped (its transfers fail; the next one reconnects)."""
         while True:
             try:
                 msg, _ = await reader.receive()
-            except (EOFError, protocol.ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError):
+                tid = msg.get("tid")
+                if msg["op"] == "goodbye":  # closed for being idle: nothing sent after it was read
+                    log.info(
+                        "control connection %d closed by prefill: %s",
+                        gen,
+                        protocol.clip(str(msg.get("reason"))),
+                    )
+                    raise EOFError
+                if msg["op"] == "error" or type(tid) is not int:
+                    why = msg.get("reason") if msg["op"] == "error" else "an answer without a 'tid'"
+                    raise protocol.ProtocolError(
+                        f"prefill said {protocol.show(msg['op'])}: {protocol.clip(str(why))}"
+                    )
+            except (
+                EOFError,
+                protocol.ProtocolError,
+                trio.BrokenResourceError,
+                trio.ClosedResourceError,
+            ) as exc:
+                if not isinstance(exc, EOFError):
+                    log.warning(
+                        "control connection %d to prefill dropped: %s", gen, exc or type(exc).__name__
+                    )
                 if self._prefill is stream:
                     self._prefill = None  # the next transfer opens a new connection
                     with trio.CancelScope(shield=True):
@@ -578,12 +667,14 @@ class DecodeService:
                     if g == gen and send is not None:
                         send.close()
                 return
-            tid = msg.get("tid", -1)
             if self._sent.get(tid) == gen:
                 del self._sent[tid]
             send = self._kv_replies.get(tid)
             if send is not None:
-                send.send_nowait(msg)
+                try:
+                    send.send_nowait(msg)
+                except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+                    log.warning("prefill answered transfer %d more often than asked; ignored", tid)
 
     async def _notif_loop(self) -> None:
         while True:
@@ -591,10 +682,13 @@ class DecodeService:
                 _, msg = await self.engine.next_notif()
             except trio.EndOfChannel:
                 return
-            if msg.startswith(b"kv:"):
-                arrived = self._notifs.get(int(msg[3:]))
-                if arrived is not None:  # else its transfer was given up on and fenced
-                    arrived.set()
+            tid = msg[3:]
+            if not (msg.startswith(b"kv:") and tid.isdigit() and len(tid) <= 20):
+                log.warning("ignored a notification that names no transfer: %s", protocol.show(msg))
+                continue
+            arrived = self._notifs.get(int(tid))
+            if arrived is not None:  # else its transfer was given up on and fenced
+                arrived.set()
 
     # ------------------------------------------------------------------ decoding
 

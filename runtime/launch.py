@@ -16,7 +16,16 @@ import trio
 
 
 class NodeFailed(RuntimeError):
-    """A node process exited before it was ready; the message carries its stderr."""
+    """A node process exited before it was ready; the message carries its stderr, `reason` its
+    last line (a node that cannot start says why in one line), `log` the file that has it all."""
+
+    def __init__(self, name: str, log: Path) -> None:
+        text = log.read_text(errors="replace")
+        # The last line that says something: not the frame of an exception group's traceback.
+        said = [t for t in (line.strip(" |") for line in text.splitlines()) if t.strip("+-")]
+        self.name, self.log = name, log
+        self.reason = said[-1] if said else "it exited without a word"
+        super().__init__(f"{name} node did not start: {text[-2000:]}")
 
 
 @attrs.define(eq=False)
@@ -61,10 +70,15 @@ async def start_node(args: Sequence[str], log_dir: Path, name: str, timeout: flo
         assert proc.stdout is not None
         return proc.stdout.readline()
 
-    with trio.move_on_after(timeout):
-        line = await trio.to_thread.run_sync(first_line, abandon_on_cancel=True)
-        if line:
-            return NodeProcess(proc, json.loads(line), stderr_path)
+    try:
+        with trio.move_on_after(timeout):
+            line = await trio.to_thread.run_sync(first_line, abandon_on_cancel=True)
+            if line:
+                return NodeProcess(proc, json.loads(line), stderr_path)
+    except BaseException:  # cancelled (Ctrl-C) while it starts: no node outlives its starter
+        proc.kill()
+        proc.wait()
+        raise
     proc.kill()
     proc.wait()
-    raise NodeFailed(f"{name} node did not start: {stderr_path.read_text(errors='replace')[-2000:]}")
+    raise NodeFailed(name, stderr_path)

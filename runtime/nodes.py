@@ -4,14 +4,24 @@ Each node prints one JSON line on stdout once it accepts connections (its ports)
 process (or an operator's script) knows when and where to connect. SIGINT and SIGTERM cancel
 the node's nursery: work in flight is cancelled, files are closed, and since every page file is
 written to a temporary name and renamed, no partial page is ever visible in L3.
+
+A node that cannot start — its port taken, its prefill node unreachable or refusing the hello,
+its storage folder unusable — raises `StartupError` with one line naming the flag and the
+reason; the command prints it and exits 2. Only those specific errors, and only during start-up:
+anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import functools
 import json
 import os
 import signal
+import socket
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import attrs
@@ -19,6 +29,7 @@ import trio
 
 from hicache.core.config import DecodeConfig
 from hicache.faults import FaultSpec
+from hicache.runtime import protocol
 from hicache.runtime.decode_node import DecodeService
 from hicache.runtime.faults import FaultyStore
 from hicache.runtime.kv_layout import KVLayout
@@ -31,6 +42,44 @@ from hicache.runtime.transfer.base import TransferEngine
 from hicache.runtime.transfer.tcp import TcpEngine
 
 ENGINES = ("nixl", "tcp")
+# What bind() says when the address cannot be listened on (rather than a peer being unreachable).
+_BIND_ERRNOS = {errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES}
+# What a prefill node that refuses the decode node's hello (or is not a prefill node) ends in.
+_HELLO_ERRORS = (EOFError, protocol.ProtocolError, trio.BrokenResourceError)
+
+
+class StartupError(Exception):
+    """A node could not start; the message is one line for the operator, naming the flag."""
+
+
+def sole(exc: BaseException) -> BaseException:
+    """The one error that `exc` stands for: trio's nurseries wrap even a lone error in groups."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
+
+
+def why(exc: OSError) -> str:
+    """The system's reason, short; trio's connect hides each attempt's error under one message."""
+    if exc.errno is None and isinstance(exc.__cause__, BaseExceptionGroup):
+        leaves = [e for e in exc.__cause__.exceptions if isinstance(e, OSError)]
+        if leaves:
+            exc = leaves[0]
+    if exc.errno is not None and exc.errno > 0:
+        return os.strerror(exc.errno)
+    return exc.strerror or str(exc)
+
+
+@contextlib.contextmanager
+def _startup_error_unwrapped() -> Iterator[None]:
+    """Let a `StartupError` out of `trio.run` as itself, not inside nested exception groups."""
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        err = sole(group)
+        if isinstance(err, StartupError):
+            raise err from None
+        raise
 
 
 def layout_for(model: TinyConfig, page_size: int) -> KVLayout:
@@ -41,9 +90,12 @@ def make_engine(kind: str, name: str) -> TransferEngine:
     if kind == "tcp":
         return TcpEngine(name=name)
     if kind == "nixl":
-        from hicache.runtime.transfer.nixl_engine import NixlEngine
+        try:
+            from hicache.runtime.transfer.nixl_engine import NixlEngine
 
-        return NixlEngine(name)
+            return NixlEngine(name)
+        except ImportError as exc:
+            raise StartupError(f"--engine nixl: {exc}; --engine tcp needs nothing more") from exc
     raise ValueError(f"unknown transfer engine {kind!r}; expected one of: {', '.join(ENGINES)}")
 
 
@@ -94,15 +146,57 @@ async def run_prefill(opts: PrefillOptions) -> None:
             staging_pages=opts.staging_pages,
         )
         nursery.start_soon(_until_signal, nursery.cancel_scope)
-        listeners = await nursery.start(node.serve, opts.port)
+        try:
+            listeners = await nursery.start(functools.partial(node.serve, opts.port, host=opts.host))
+        except BaseException as exc:
+            err = sole(exc)
+            if not isinstance(err, OSError):
+                raise
+            raise StartupError(_cannot_listen(opts.host, opts.port, err)) from err
         _ready({"node": "prefill", "port": listeners[0].socket.getsockname()[1], "engine": engine.name})
+
+
+def _cannot_listen(host: str, port: int, exc: OSError) -> str:
+    if isinstance(exc, socket.gaierror):  # the address, not the port
+        return f"--host {host}: cannot listen on it ({why(exc)})"
+    return f"--port {port}: cannot listen on {host}:{port} ({why(exc)})"
+
+
+async def _check_listen(host: str, port: int) -> None:
+    """Bind the decode node's port once before connecting anywhere, so that a port in use is
+    told apart from an unreachable prefill node (both are OSErrors out of the service's start)."""
+    try:
+        listeners = await trio.open_tcp_listeners(port, host=host)
+    except OSError as exc:
+        raise StartupError(_cannot_listen(host, port, exc)) from exc
+    for listener in listeners:
+        await listener.aclose()
+
+
+def _decode_start_failure(exc: BaseException, opts: DecodeOptions) -> str | None:
+    """The one line for an error out of the decode service's start-up; None: not a start-up error."""
+    host, port = opts.prefill
+    if isinstance(exc, OSError):
+        if exc.errno in _BIND_ERRNOS:  # the port was taken after `_check_listen`
+            return _cannot_listen(opts.host, opts.port, exc)
+        return f"--prefill {host}:{port}: cannot reach the prefill node ({why(exc)})"
+    if isinstance(exc, _HELLO_ERRORS):
+        return (
+            f"--prefill {host}:{port}: the prefill node refused the connection's hello "
+            f"({exc or type(exc).__name__}); both nodes need the same --engine and --page-size"
+        )
+    return None
 
 
 async def run_decode(opts: DecodeOptions) -> None:
     layout = layout_for(opts.model, opts.core.page_size)
-    store = FileStore(opts.storage_dir, layout) if opts.storage_dir is not None else MemoryStore(layout)
+    try:
+        store = FileStore(opts.storage_dir, layout) if opts.storage_dir is not None else MemoryStore(layout)
+    except OSError as exc:  # not a folder, not writable
+        raise StartupError(f"--storage-dir {opts.storage_dir}: cannot use it ({why(exc)})") from exc
     if opts.faults is not None:
         FaultyStore.check(opts.faults, store)  # before anything starts: a bad spec exits with its reason
+    await _check_listen(opts.host, opts.port)
     # A restarted decode node must not reuse its predecessor's agent name: peers still know it.
     engine = make_engine(opts.engine, f"decode-{opts.engine}-{os.getpid()}")
     async with engine, trio.open_nursery() as nursery:
@@ -117,7 +211,14 @@ async def run_decode(opts: DecodeOptions) -> None:
             faults=opts.faults,
         )
         nursery.start_soon(_until_signal, nursery.cancel_scope)
-        port = await nursery.start(service.run, opts.port, opts.prefill)
+        start = functools.partial(service.run, opts.port, opts.prefill, host=opts.host)
+        try:
+            port = await nursery.start(start)
+        except BaseException as exc:
+            line = _decode_start_failure(sole(exc), opts)
+            if line is None:
+                raise
+            raise StartupError(line) from exc
         info = {"node": "decode", "port": port, "engine": engine.name}
         if isinstance(store, FileStore):
             info["leftovers_removed"] = store.leftovers_removed
@@ -126,12 +227,14 @@ async def run_decode(opts: DecodeOptions) -> None:
 
 def main_prefill(opts: PrefillOptions) -> int:
     pin_mmap_threshold(opts.mmap_threshold)
-    trio.run(run_prefill, opts)
+    with _startup_error_unwrapped():
+        trio.run(run_prefill, opts)
     return 0
 
 
 def main_decode(opts: DecodeOptions) -> int:
     pin_mmap_threshold(opts.mmap_threshold)
-    trio.run(run_decode, opts)
+    with _startup_error_unwrapped():
+        trio.run(run_decode, opts)
     sys.stdout.flush()
     return 0

@@ -13,14 +13,19 @@ and only then is `cancelled` answered, so the decode node may reuse the pages. E
 failure included, is likewise sent only after its WRITE settled. A request cancelled before
 it arrived is refused when it does. When a control connection ends, the transfers it asked for
 are cancelled the same way: their decode node stopped waiting for them.
+
+Nothing a peer sends stops the node: a bad frame, or a message it cannot address (no `tid`),
+ends that connection with an `error` answer and a reason in the log (`hicache.runtime.prefill`);
+a `kv` request with a bad field is answered `ok: false` with the reason. `Limits` bound the
+connections, the bytes of frames being received, and the time a frame or an idle connection
+may take (`runtime/limits.py`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
+import logging
 import math
-import sys
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 
@@ -33,6 +38,7 @@ from hicache.runtime import protocol
 from hicache.runtime.kv_digest import page_digests
 from hicache.runtime.kv_layout import KVLayout
 from hicache.runtime.kv_pool import KVPool
+from hicache.runtime.limits import Gate, Limits, peer_name
 from hicache.runtime.model import TinyModel, to_pages
 from hicache.runtime.transfer.base import TransferEngine, XferState
 
@@ -61,6 +67,8 @@ class _PageAllocator:
             self.changed.notify_all()
 
 
+log = logging.getLogger("hicache.runtime.prefill")
+
 SETTLE_TIMEOUT_S = 30.0  # how long a reply waits for its WRITE to settle before giving up on it
 CANCELLED_MEMORY = 4096  # cancels of transfers not yet seen, remembered per node
 
@@ -83,7 +91,9 @@ class PrefillNode:
         staging_pages: int = 1024,
         remember: int = 32,
         transfer_timeout: float = 30.0,
+        limits: Limits | None = None,
     ) -> None:
+        """`limits` bound what the decode nodes (any peer) connected to this node may hold."""
         self.model = model
         self.layout = layout
         self.engine = engine
@@ -91,6 +101,7 @@ class PrefillNode:
         self.region = engine.register("staging", self.staging.bytes_view())
         self.pages = _PageAllocator(staging_pages)
         self.transfer_timeout = transfer_timeout
+        self.gate = Gate(limits if limits is not None else Limits(), log)
         self._remember = remember
         self._recent: OrderedDict[bytes, tuple[torch.Tensor, int]] = OrderedDict()
         self._compute = trio.CapacityLimiter(1)
@@ -107,39 +118,102 @@ class PrefillNode:
         await trio.serve_tcp(self._connection, port, host=host, task_status=task_status)
 
     async def _connection(self, stream: trio.SocketStream) -> None:
-        reader = protocol.FrameReader(stream, max_binary=0)
+        """Serve one decode node's control connection. Whatever it sends ends at most this
+        connection (and the transfers it asked for), with the reason logged and answered."""
+        where = peer_name(stream)
+        try:
+            if await self.gate.enter(stream, where):
+                try:
+                    await self._control(stream, where)
+                finally:
+                    self.gate.leave()
+        finally:
+            await stream.aclose()
+
+    async def _control(self, stream: trio.SocketStream, where: str) -> None:
+        reader = self.gate.reader(stream, max_binary=0)
         send_lock = trio.Lock()
         try:
             hello, _ = await reader.receive()
             if hello["op"] != "hello":
-                raise protocol.ProtocolError(f"expected 'hello', got {hello['op']!r}")
-            peer = await self.engine.add_peer(bytes.fromhex(protocol.field(hello, "info", str)))
-            await protocol.send(stream, {"op": "hello", "info": self.engine.local_info().hex()})
+                raise protocol.MessageError(f"expected 'hello', got {protocol.show(hello['op'])}")
+            info = protocol.field(hello, "info", str)
+            try:
+                peer = await self.engine.add_peer(bytes.fromhex(info))
+            except ValueError as exc:  # not hex, or info this engine cannot use
+                raise protocol.MessageError(
+                    f"message 'hello': bad field 'info': {protocol.clip(str(exc))}"
+                ) from None
+            async with send_lock:
+                await self.gate.send(stream, {"op": "hello", "info": self.engine.local_info().hex()})
+            ended: Exception | None = None  # raised past the nursery, which would wrap it in a group
             async with trio.open_nursery() as nursery:
                 try:
-                    while True:
-                        try:
-                            msg, _ = await reader.receive()
-                        except EOFError:
-                            break
-                        if msg["op"] == "kv":
-                            nursery.start_soon(self._serve_kv, stream, send_lock, peer, msg)
-                        elif msg["op"] == "cancel":
-                            nursery.start_soon(self._cancel, stream, send_lock, peer, msg)
-                        else:
-                            raise protocol.ProtocolError(f"unknown message {msg['op']!r}")
+                    await self._requests(reader, stream, send_lock, peer, nursery)
+                except (protocol.ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                    ended = exc
                 finally:
                     # Nobody waits for these answers any more: stop the transfers (they settle).
                     nursery.cancel_scope.cancel()
-        except (protocol.ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError):
-            pass  # a broken or misbehaving peer: drop the connection, keep serving others
+            if ended is not None:
+                raise ended
+        except protocol.IdleTimeout as exc:
+            log.info("connection from %s closed: %s", where, exc)
+            await self._last_word(stream, send_lock, {"op": "goodbye", "reason": str(exc)})
+        except protocol.ProtocolError as exc:
+            log.warning("connection from %s closed: %s", where, exc)
+            await self._last_word(stream, send_lock, {"op": "error", "reason": str(exc)})
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            log.info("connection from %s lost: %s", where, exc or type(exc).__name__)
         except Exception as exc:  # e.g. the transfer engine refused the peer: say why, keep serving
-            print(f"prefill: dropped a connection: {type(exc).__name__}: {exc}", file=sys.stderr)
-        finally:
-            await stream.aclose()
+            log.exception("connection from %s closed after an error", where)
+            reason = f"{type(exc).__name__}: {protocol.clip(str(exc))}"
+            await self._last_word(stream, send_lock, {"op": "error", "reason": reason})
 
-    async def _cancel(self, stream: trio.SocketStream, lock: trio.Lock, peer: str, msg: dict) -> None:
-        tid = protocol.field(msg, "tid", int)
+    async def _last_word(self, stream: trio.SocketStream, lock: trio.Lock, msg: dict) -> None:
+        with trio.move_on_after(self.gate.limits.frame_timeout_s):
+            async with lock:  # not into the middle of another answer
+                await self.gate.send_quietly(stream, msg)
+
+    async def _requests(
+        self,
+        reader: protocol.FrameReader,
+        stream: trio.SocketStream,
+        lock: trio.Lock,
+        peer: str,
+        nursery: trio.Nursery,
+    ) -> None:
+        """Read requests until the peer is done; each is served in `nursery`. An idle timeout
+        counts only while none of them is in progress."""
+        while True:
+            try:
+                msg, _ = await reader.receive()
+            except EOFError:
+                return
+            except protocol.IdleTimeout:
+                if nursery.child_tasks:
+                    continue
+                raise
+            op = msg["op"]
+            if op not in ("kv", "cancel"):
+                raise protocol.MessageError(f"unknown message {protocol.show(op)}")
+            tid = protocol.field(msg, "tid", int)  # without it no answer can be addressed
+            if op == "kv":
+                nursery.start_soon(self._serve_kv, stream, lock, peer, tid, msg)
+            else:
+                nursery.start_soon(self._cancel, stream, lock, peer, tid)
+
+    async def _answer(self, stream: trio.SocketStream, lock: trio.Lock, peer: str, msg: dict) -> None:
+        """Send one answer; a peer that does not take it in time loses the connection."""
+        async with lock:
+            try:
+                await self.gate.send(stream, msg)
+            except protocol.ProtocolError as exc:
+                log.warning("connection of %s closed: %s", protocol.show(peer), exc)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass  # the connection's reader sees it end too
+
+    async def _cancel(self, stream: trio.SocketStream, lock: trio.Lock, peer: str, tid: int) -> None:
         serving = self._in_flight.get((peer, tid))
         if serving is None:
             self._cancelled_early.append((peer, tid))
@@ -147,12 +221,11 @@ class PrefillNode:
             serving.scope.cancel()
             await serving.ended.wait()
         self.cancelled += 1
-        async with lock:
-            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-                await protocol.send(stream, {"op": "cancelled", "tid": tid})
+        await self._answer(stream, lock, peer, {"op": "cancelled", "tid": tid})
 
-    async def _serve_kv(self, stream: trio.SocketStream, lock: trio.Lock, peer: str, msg: dict) -> None:
-        tid = protocol.field(msg, "tid", int)
+    async def _serve_kv(
+        self, stream: trio.SocketStream, lock: trio.Lock, peer: str, tid: int, msg: dict
+    ) -> None:
         key = (peer, tid)
         if key in self._cancelled_early or key in self._in_flight:
             return  # cancelled before it arrived (or a duplicate): the decode node waits for neither
@@ -181,11 +254,13 @@ class PrefillNode:
             kv, first_token = await self._kv(tokens)
             digests = await self._send(kv, first_page, last_page, peer, dst, f"kv:{tid}".encode())
             reply.update(ok=True, first_token=first_token, digests=digests)
+        except protocol.MessageError as exc:  # a bad field: the reason names it
+            reply.update(ok=False, reason=str(exc))
         except Exception as exc:  # answered, not raised: the decode node falls back or fails the request
-            reply.update(ok=False, reason=f"{type(exc).__name__}: {exc}")
-        async with lock:
-            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-                await protocol.send(stream, reply)
+            reply.update(ok=False, reason=f"{type(exc).__name__}: {protocol.clip(str(exc))}")
+        if not reply.get("ok"):
+            log.warning("kv %s from %s failed: %s", protocol.show(tid), protocol.show(peer), reply["reason"])
+        await self._answer(stream, lock, peer, reply)
 
     async def _kv(self, tokens: Sequence[int]) -> tuple[torch.Tensor, int]:
         """The prompt's KV (all of it: attention needs every earlier token) and its first output."""
@@ -224,7 +299,11 @@ class PrefillNode:
                     await self.engine.settle(handle)
                 settled = not waited.cancelled_caught
                 if not settled:
-                    print(f"prefill: {notif!r} did not settle in {SETTLE_TIMEOUT_S} s", file=sys.stderr)
+                    log.error(
+                        "%r did not settle in %s s; its staging pages stay out of use",
+                        notif,
+                        SETTLE_TIMEOUT_S,
+                    )
             return digests
         finally:
             if settled:  # else the WRITE may still read them: keep them out of use

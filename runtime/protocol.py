@@ -3,7 +3,11 @@
 A frame is a fixed header — magic, version, JSON length, binary length — then the JSON object
 and the binary bytes. A reader checks every length against its limits before it allocates, so a
 peer that lies about a size or hangs up mid-frame yields a `ProtocolError`, never a large
-allocation or a hang on a half-frame (the caller owns the timeout).
+allocation. Anything a peer can send ends as a `ProtocolError` (JSON nested too deep, numbers
+with too many digits included), never another exception. Given the node's limits, a reader also
+cuts off a frame that does not complete within `frame_timeout` of its first byte, a connection
+silent for `idle_timeout` between frames (`IdleTimeout`), and a frame whose announced size the
+node's budget of bytes in flight cannot take (`runtime/limits.py`).
 
 Clients talk to a decode node, and a decode node to its prefill node, with these frames; KV
 itself moves over a transfer engine, never here (except the optional verification tail).
@@ -12,23 +16,64 @@ itself moves over a transfer engine, never here (except the optional verificatio
 from __future__ import annotations
 
 import json
+import math
+import reprlib
 import struct
-from typing import Any
+from typing import Any, Protocol
 
 import trio
 
 MAGIC = b"HCR1"
 VERSION = 1
 _HEAD = struct.Struct("<4sBIQ")  # magic, version, json length, binary length
+HEADER_SIZE = _HEAD.size
 MAX_JSON = 16 << 20
 MAX_BINARY = 1 << 30
 # At most this much is asked of the stream per read: a socket read allocates the size it asks
 # for, so asking for a frame's announced length would allocate what a peer merely claims.
 READ_CHUNK = 1 << 20
 
+_SHOW = reprlib.Repr()
+_SHOW.maxstring = _SHOW.maxother = 40
+_SHOW.maxlist = _SHOW.maxdict = 4
+_SHOW.maxlevel = 2
+
+
+def clip(message: str, limit: int = 240) -> str:
+    """A message cut to `limit` characters: an error may quote a peer's input."""
+    return message if len(message) <= limit else message[: limit - 3] + "..."
+
+
+def show(value: Any) -> str:
+    """A short repr for an error message or the log: a peer's value may be 16 MiB long."""
+    try:
+        return _SHOW.repr(value)
+    except (RecursionError, ValueError):
+        return f"<{type(value).__name__}>"
+
 
 class ProtocolError(Exception):
     """A malformed, oversized or truncated frame, or a peer that went away mid-frame."""
+
+
+class MessageError(ProtocolError):
+    """A whole, well-formed frame whose message has a missing field or a bad value: the frame
+    boundary is intact, so the request is answered with this and the connection goes on."""
+
+
+class IdleTimeout(ProtocolError):
+    """No byte of a next frame within the reader's idle timeout (nothing of it was read)."""
+
+
+class FrameBudget(Protocol):
+    """A node's budget of bytes for frames being received (`runtime/limits.py`'s `Gate`)."""
+
+    @property
+    def small(self) -> int: ...  # frames up to this size are not counted
+
+    def take(self, n: int) -> str: ...  # reserve n bytes, or say why not
+
+    def give(self, n: int) -> None: ...
 
 
 def encode(obj: dict[str, Any], binary: bytes = b"") -> bytes:
@@ -43,14 +88,28 @@ async def send(stream: trio.abc.SendStream, obj: dict[str, Any], binary: bytes =
 
 
 class FrameReader:
-    """Reads frames from one stream, keeping what arrived past the current frame."""
+    """Reads frames from one stream, keeping what arrived past the current frame.
+
+    `frame_timeout` runs from the first byte of a frame (or from the call, when bytes of it are
+    already buffered) to its last; `idle_timeout` bounds the wait for a next frame's first byte;
+    `budget` is charged a frame's announced size while it is received. None: no such bound."""
 
     def __init__(
-        self, stream: trio.abc.ReceiveStream, *, max_json: int = MAX_JSON, max_binary: int = MAX_BINARY
+        self,
+        stream: trio.abc.ReceiveStream,
+        *,
+        max_json: int = MAX_JSON,
+        max_binary: int = MAX_BINARY,
+        frame_timeout: float | None = None,
+        idle_timeout: float | None = None,
+        budget: FrameBudget | None = None,
     ):
         self.stream = stream
         self.max_json = max_json
         self.max_binary = max_binary
+        self.frame_timeout = math.inf if frame_timeout is None else frame_timeout
+        self.idle_timeout = math.inf if idle_timeout is None else idle_timeout
+        self.budget = budget
         self._buf = bytearray()
 
     async def _exactly(self, n: int, what: str) -> bytes:
@@ -67,6 +126,22 @@ class FrameReader:
 
     async def receive(self) -> tuple[dict[str, Any], bytes]:
         """The next frame; `EOFError` at a clean end of stream between frames."""
+        if not self._buf:
+            with trio.move_on_after(self.idle_timeout) as idle:
+                chunk = await self.stream.receive_some(65536)
+            if idle.cancelled_caught:
+                raise IdleTimeout(f"no frame within {self.idle_timeout:g} s: the connection was idle")
+            if not chunk:
+                raise EOFError("the peer closed the connection")
+            self._buf += chunk
+        got: tuple[dict[str, Any], bytes] | None = None
+        with trio.move_on_after(self.frame_timeout):
+            got = await self._frame()
+        if got is None:
+            raise ProtocolError(f"a frame did not complete within {self.frame_timeout:g} s of its first byte")
+        return got
+
+    async def _frame(self) -> tuple[dict[str, Any], bytes]:
         magic, version, n_json, n_bin = _HEAD.unpack(await self._exactly(_HEAD.size, "header"))
         if magic != MAGIC:
             raise ProtocolError(f"bad frame magic {magic!r}, expected {MAGIC!r}")
@@ -76,33 +151,71 @@ class FrameReader:
             raise ProtocolError(f"frame announces {n_json} B of JSON, limit {self.max_json}")
         if n_bin > self.max_binary:
             raise ProtocolError(f"frame announces {n_bin} B of binary, limit {self.max_binary}")
-        body = await self._exactly(n_json, "JSON")
-        binary = await self._exactly(n_bin, "binary") if n_bin else b""
+        size = n_json + n_bin
+        budget = self.budget if self.budget is not None and size > self.budget.small else None
+        if budget is not None and (why := budget.take(size)):
+            raise ProtocolError(why)
+        try:
+            body = await self._exactly(n_json, "JSON")
+            binary = await self._exactly(n_bin, "binary") if n_bin else b""
+        finally:
+            if budget is not None:
+                budget.give(size)
         try:
             obj = json.loads(body)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ProtocolError(f"frame JSON does not parse: {exc}") from None
+        except RecursionError:
+            raise ProtocolError("frame JSON is nested too deep") from None
+        except ValueError as exc:  # bad UTF-8, bad JSON, an integer of more than 4,300 digits
+            raise ProtocolError(f"frame JSON does not parse: {clip(str(exc))}") from None
         if not isinstance(obj, dict) or not isinstance(obj.get("op"), str):
             raise ProtocolError("a frame's JSON must be an object with a string 'op'")
         return obj, binary
 
 
+def _op(obj: dict[str, Any]) -> str:
+    return show(obj.get("op"))
+
+
 def field(obj: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
-    """A message field of the expected type, or a `ProtocolError` naming it."""
+    """A message field of the expected type, or a `MessageError` naming it."""
     if name not in obj:
-        raise ProtocolError(f"message {obj.get('op')!r}: missing field {name!r}")
+        raise MessageError(f"message {_op(obj)}: missing field {name!r}")
     value = obj[name]
     if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
-        raise ProtocolError(
-            f"message {obj.get('op')!r}: field {name!r} has the wrong type ({type(value).__name__})"
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        expected = " or ".join(k.__name__ for k in kinds)
+        raise MessageError(
+            f"message {_op(obj)}: field {name!r} has the wrong type ({type(value).__name__}), "
+            f"expected {expected}"
         )
+    return value
+
+
+def int_field(obj: dict[str, Any], name: str, *, low: int = 0, high: int = 1 << 62) -> int:
+    """An integer field in [low, high), or a `MessageError` naming it."""
+    value = field(obj, name, int)
+    if not low <= value < high:
+        raise MessageError(
+            f"message {_op(obj)}: field {name!r} must be in {low}..{high - 1}, got {show(value)}"
+        )
+    return value
+
+
+def text(obj: dict[str, Any], name: str) -> str:
+    """A string field that is valid Unicode text (no lone surrogates, which have no UTF-8)."""
+    value = field(obj, name, str)
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise MessageError(
+            f"message {_op(obj)}: field {name!r} must be a string of Unicode text, got {show(value)} "
+            "(a lone surrogate has no UTF-8 encoding)"
+        ) from None
     return value
 
 
 def int_list(obj: dict[str, Any], name: str, *, low: int = 0, high: int = 1 << 62) -> list[int]:
     values = field(obj, name, list)
     if not all(isinstance(v, int) and not isinstance(v, bool) and low <= v < high for v in values):
-        raise ProtocolError(
-            f"message {obj.get('op')!r}: field {name!r} must hold integers in {low}..{high - 1}"
-        )
+        raise MessageError(f"message {_op(obj)}: field {name!r} must hold integers in {low}..{high - 1}")
     return values

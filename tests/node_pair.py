@@ -3,6 +3,7 @@ harness of the runtime tests that inject faults or stall a transfer."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -14,6 +15,7 @@ import trio
 
 from hicache.core.config import DecodeConfig
 from hicache.faults import FaultSpec
+from hicache.runtime import protocol
 from hicache.runtime.client import DecodeClient
 from hicache.runtime.decode_node import DecodeService
 from hicache.runtime.model import TinyConfig, TinyModel
@@ -34,6 +36,22 @@ class NodePair:
     prefill: PrefillNode
 
 
+GUARD_S = 20  # a guard against hangs, never a speed assertion
+
+
+def small_core(**kw: Any) -> DecodeConfig:
+    """The decode node's core in these tests: small tiers of 64 pages, L3 prefetched from one
+    page on, two pages reserved for decoding; keywords override any field."""
+    base: dict[str, Any] = dict(
+        l1_pages=64,
+        l2_pages=64,
+        page_size=PAGE,
+        prefetch_threshold_tokens=PAGE,
+        decode_reserve_tokens=2 * PAGE,
+    )
+    return DecodeConfig(**{**base, **kw})
+
+
 @asynccontextmanager
 async def node_pair(
     tmp_path: Path,
@@ -49,15 +67,7 @@ async def node_pair(
     """`config` overrides fields of the decode node's `DecodeConfig`."""
     model = TinyModel(TinyConfig())
     layout = layout_for(model.config, PAGE)
-    core = DecodeConfig(
-        l1_pages=64,
-        l2_pages=64,
-        page_size=PAGE,
-        storage=storage,
-        prefetch_threshold_tokens=PAGE,
-        decode_reserve_tokens=2 * PAGE,
-        transfer_retries=retries,
-    )
+    core = small_core(storage=storage, transfer_retries=retries)
     core = attrs.evolve(core, **(config or {}))
     spec = FaultSpec.parse(faults) if faults is not None else None
     async with (
@@ -108,3 +118,24 @@ async def assert_nothing_held(service: DecodeService, client: DecodeClient) -> N
 
 def prompt(seed: int, n: int = 96) -> list[int]:
     return np.random.default_rng(seed).integers(0, 512, n).tolist()
+
+
+async def exchange(port: int, data: bytes, *, close: bool = True) -> list[dict[str, Any]]:
+    """Send raw bytes, half-close (unless `close` is False), and read every reply until the
+    node hangs up."""
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    replies = []
+    async with stream:
+        with contextlib.suppress(trio.BrokenResourceError):
+            await stream.send_all(data)
+            if close:
+                await stream.send_eof()
+        reader = protocol.FrameReader(stream, max_binary=0)
+        with trio.fail_after(GUARD_S):
+            while True:
+                try:
+                    reply, _ = await reader.receive()
+                except (EOFError, trio.BrokenResourceError, protocol.ProtocolError):
+                    break
+                replies.append(reply)
+    return replies

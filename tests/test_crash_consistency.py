@@ -2,7 +2,9 @@
 
 A page file is written under a temporary name and renamed into place, so a killed writer can
 leave a temporary file but never a partial page under a page's name; the next store to open the
-directory (a restarted decode node) removes the temporaries. Checked twice:
+directory (a restarted decode node) removes the temporaries whose writer is gone (the name
+carries the writer's host and pid; a live writer's are kept, `tests/test_storage_os_errors.py`).
+Checked twice:
 
 - a process writing pages through `FileStore` without pause (`tests/crash_writer.py`, whose
   page contents follow from their keys) is killed at several random moments; after each, a new
@@ -34,7 +36,7 @@ from hicache.runtime.client import DecodeClient
 from hicache.runtime.kv_pool import KVPool
 from hicache.runtime.launch import NodeProcess, start_node
 from hicache.runtime.model import TinyConfig, TinyModel
-from hicache.runtime.storage.file_store import SUFFIX, FileStore
+from hicache.runtime.storage.file_store import KEY_FILE, SUFFIX, FileStore
 from hicache.runtime.verify import KVLedger
 
 WRITER = Path(__file__).with_name("crash_writer.py")
@@ -43,7 +45,10 @@ SPACING = 1_000_000  # page indices of one round's writer start this far after t
 
 
 def temporaries(root: Path) -> list[Path]:
-    return sorted(p for p in root.rglob("*") if p.is_file() and not p.name.endswith(SUFFIX))
+    """Every file but the pages and the store's key file (`FileStore` writes the latter once)."""
+    return sorted(
+        p for p in root.rglob("*") if p.is_file() and not p.name.endswith(SUFFIX) and p.name != KEY_FILE
+    )
 
 
 def index_of(key: int) -> int:

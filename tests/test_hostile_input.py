@@ -36,6 +36,7 @@ import pytest
 import trio
 import trio.testing
 from hypothesis import HealthCheck, Phase, event, example, given, settings
+from node_pair import exchange
 
 from hicache.core.config import DecodeConfig
 from hicache.runtime import protocol
@@ -366,6 +367,17 @@ def test_any_scenario_file_loads_or_is_a_scenario_error_naming_the_file(raw: byt
 LIMIT = 4096  # the readers under test take at most this much JSON and binary per frame
 
 
+# JSON that once escaped the frame reader as another exception: nested past the recursion
+# limit (RecursionError), a number of more digits than Python converts (ValueError).
+UNPARSABLE_BODIES = [
+    ('{"op": "x", "v": ' + deep(1000) + "}").encode(),
+    ('{"op": "x", "v": ' + deep(100_000) + "}").encode(),
+    ('{"op": "x", "v": ' + "[" * 100_000).encode(),
+    b'{"op": "x", "n": ' + b"9" * 4301 + b"}",
+    b'{"op": "x", "n": -' + b"1" * 4301 + b"}",
+]
+
+
 @st.composite
 def control_streams(draw: st.DrawFn) -> tuple[bytes, dict[str, Any] | None, bytes]:
     """A frame with some fields replaced by lies (magic, version, lengths), maybe cut short.
@@ -401,6 +413,11 @@ def control_streams(draw: st.DrawFn) -> tuple[bytes, dict[str, Any] | None, byte
 def same(a: tuple[Any, bytes], b: tuple[Any, bytes]) -> bool:
     """Equal frames (JSON compared as text: NaN is not equal to itself)."""
     return json.dumps(a[0], sort_keys=True) == json.dumps(b[0], sort_keys=True) and a[1] == b[1]
+
+
+def whole_frame(body: bytes) -> bytes:
+    """An honest frame around `body`."""
+    return struct.pack("<4sBIQ", protocol.MAGIC, protocol.VERSION, len(body), 0) + body
 
 
 @fuzz(300)
@@ -465,6 +482,20 @@ async def test_a_lying_length_is_not_allocated_before_its_bytes_arrive() -> None
     assert peak < 16 << 20, f"a frame claiming {claimed} bytes made the reader allocate {peak} bytes"
 
 
+@pytest.mark.parametrize("body", UNPARSABLE_BODIES, ids=lambda b: f"{b[:24]!r}...{len(b)}B")
+async def test_json_the_parser_refuses_is_a_protocol_error(body: bytes) -> None:
+    """Deep nesting and over-long integers end as `ProtocolError`, like any other bad JSON
+    (a decode node's connection handler expects nothing else; they once stopped it). Not a
+    hypothesis property: hypothesis raises the recursion limit while a test runs, so JSON
+    nested 1,000 deep would parse there."""
+    send, receive = trio.testing.memory_stream_one_way_pair()
+    await send.send_all(whole_frame(body) + protocol.encode({"op": "next"}))
+    await send.aclose()
+    reader = protocol.FrameReader(receive)
+    with trio.fail_after(GUARD_S), pytest.raises(protocol.ProtocolError, match="JSON"):
+        await reader.receive()
+
+
 @fuzz(200)
 @given(value=JSON_VALUES, kind=st.sampled_from([str, int, list, bool]))
 def test_message_fields_are_the_right_type_or_a_protocol_error(value: Any, kind: type) -> None:
@@ -509,25 +540,6 @@ async def decode_node() -> AsyncIterator[int]:
             port = await nursery.start(service.run, 0, ("127.0.0.1", prefill_port))
             yield port
             nursery.cancel_scope.cancel()
-
-
-async def exchange(port: int, data: bytes) -> list[dict[str, Any]]:
-    """Send raw bytes to a decode node, half-close, and read every reply until it hangs up."""
-    stream = await trio.open_tcp_stream("127.0.0.1", port)
-    replies = []
-    async with stream:
-        with contextlib.suppress(trio.BrokenResourceError):
-            await stream.send_all(data)
-            await stream.send_eof()
-        reader = protocol.FrameReader(stream, max_binary=0)
-        with trio.fail_after(GUARD_S):
-            while True:
-                try:
-                    reply, _ = await reader.receive()
-                except (EOFError, trio.BrokenResourceError):
-                    break
-                replies.append(reply)
-    return replies
 
 
 CLIENT_FIELDS = st.dictionaries(

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import os
 import shutil
 import struct
+import subprocess
 import tempfile
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -21,7 +24,15 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from hicache.runtime.kv_layout import KVLayout
 from hicache.runtime.kv_pool import KVPool
 from hicache.runtime.storage import FileStore, MemoryStore, StorageBackend, key_name, key_value
-from hicache.runtime.storage.file_store import HEADER, HEADER_SIZE, MAGIC, pack_header
+from hicache.runtime.storage.file_store import (
+    HEADER,
+    HEADER_SIZE,
+    KEY_FILE,
+    MAGIC,
+    mac_key,
+    pack_header,
+    temp_name,
+)
 
 LAYOUT = KVLayout(layers=2, kv_heads=2, head_dim=8, page_size=4, dtype="bfloat16")  # 512-byte pages
 KEYS = [0x0123456789ABCDEF, 7, 2**64 - 1, 0xFEDCBA9876543210, 42]
@@ -156,13 +167,14 @@ async def test_invalid_keys_touch_nothing(bad: object, tmp_path: Path) -> None:
 # --------------------------------------------------------------------------------- file store
 
 
-HEADER_INTS = {"version": 1, "header_size": 2, "key": 4, "shape": 7, "length": 11, "checksum": 12}
-HEADER_BYTES = {"magic": (0, b"HICKVPG1"), "dtype": (10, b"float16")}
+HEADER_INTS = {"version": 1, "header_size": 2, "key": 4, "shape": 7, "length": 11}
+HEADER_BYTES = {"magic": (0, b"HICKVPG1"), "dtype": (10, b"float16"), "mac": (12, bytes(32))}
 RESIZED = {"truncated": -1, "header_only": -LAYOUT.page_bytes, "extra_byte": +1}
 
 
 def damage(path: Path, how: str) -> None:
-    """Damage one page file: resize it, flip a payload bit, or change one header field."""
+    """Damage one page file: resize it, flip a payload bit, or change one header field (the MAC
+    is left as it was, except for "mac", which is zeroed)."""
     data = bytearray(path.read_bytes())
     header = list(HEADER.unpack(bytes(data[:HEADER_SIZE])))
     if how in RESIZED:
@@ -221,7 +233,7 @@ async def test_layout_of_another_model_is_rejected(tmp_path: Path) -> None:
 
 
 async def test_file_format(tmp_path: Path) -> None:
-    store = FileStore(tmp_path, LAYOUT)
+    store = FileStore(tmp_path, LAYOUT, secret=b"cluster")
     src = filled_pool(seed=8)
     await store.put([KEYS[0]], src, [3])
     path = store.path(KEYS[0])
@@ -229,20 +241,39 @@ async def test_file_format(tmp_path: Path) -> None:
     data = path.read_bytes()
     assert len(data) == HEADER_SIZE + LAYOUT.page_bytes
     payload = rows(src)[3]
-    assert data[:HEADER_SIZE] == pack_header(KEYS[0], LAYOUT, payload)
+    assert data[:HEADER_SIZE] == pack_header(KEYS[0], LAYOUT, payload, mac_key(b"cluster"))
     assert data[HEADER_SIZE:] == payload.tobytes()
     magic, version, size, _, key, *rest = HEADER.unpack(data[:HEADER_SIZE])
-    assert (magic, version, size, key) == (MAGIC, 1, 80, KEYS[0])
+    assert (magic, version, size, key) == (MAGIC, 2, 128, KEYS[0])
     assert tuple(rest[:5]) == LAYOUT.page_shape and rest[5].rstrip(b"\0") == b"bfloat16"
     assert rest[6] == LAYOUT.page_bytes
+    signed = data[: HEADER_SIZE - 32]
+    assert signed[68:] == bytes(28)  # reserved
+    mac = hashlib.blake2b(signed, key=mac_key(b"cluster"), digest_size=32, person=b"hicache-l3-page")
+    mac.update(payload)
+    assert rest[7] == mac.digest()
+
+
+def gone_pid() -> int:
+    """The pid of a child that has exited and been reaped: no process has it (for now)."""
+    child = subprocess.Popen(["true"])
+    child.wait()
+    return child.pid
 
 
 async def test_leftover_temporary_files_are_removed_at_start(tmp_path: Path) -> None:
     await FileStore(tmp_path, LAYOUT).put(KEYS[:1], filled_pool(), [0])
     sub = tmp_path / "01"
-    leftovers = [sub / f".{key_name(KEYS[0])}.a1b2c3.tmp", tmp_path / "ff" / f".{'f' * 16}.00.tmp"]
+    dead = gone_pid()
+    leftovers = [sub / temp_name(KEYS[0], pid=dead), tmp_path / "ff" / temp_name(2**64 - 1, pid=dead)]
     (tmp_path / "ff").mkdir()
-    keep = [sub / "notes.txt", tmp_path / f".{'0' * 16}.1.tmp", tmp_path / "zz" / f".{'0' * 16}.1.tmp"]
+    keep = [
+        sub / "notes.txt",
+        sub / f".{key_name(KEYS[0])}.a1b2c3.tmp",  # no writer named: it may be alive
+        sub / temp_name(KEYS[0]),  # this process's: alive
+        tmp_path / temp_name(0, pid=dead),
+        tmp_path / "zz" / temp_name(0, pid=dead),
+    ]
     (tmp_path / "zz").mkdir()
     for p in leftovers + keep:
         p.write_bytes(b"partial")
@@ -256,14 +287,14 @@ async def test_leftover_temporary_files_are_removed_at_start(tmp_path: Path) -> 
 async def test_a_failed_write_leaves_no_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     store = FileStore(tmp_path, LAYOUT, fsync=True)
 
-    def broken_replace(src: object, dst: object) -> None:
-        raise OSError("disk full")
+    def broken_replace(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.EIO, "disk failed")
 
     monkeypatch.setattr(os, "replace", broken_replace)
-    with pytest.raises(OSError, match="disk full"):
-        await store.put(KEYS[:1], filled_pool(), [0])
+    assert await store.put(KEYS[:2], filled_pool(), [0, 1]) == [0, 1]  # reported, not raised
     monkeypatch.undo()
-    assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
+    assert store.stats.errors == 2 and store.stats.written == 0
+    assert [p for p in tmp_path.rglob("*") if p.is_file() and p.name != KEY_FILE] == []
     await store.put(KEYS[:1], filled_pool(), [0])  # and with fsync on, a write works
     assert await store.exists(KEYS[:1]) == 1
 
@@ -400,4 +431,4 @@ TestMemoryStoreModel.settings = _machine_settings
 
 
 def test_struct_layout_is_stable() -> None:
-    assert HEADER_SIZE == 80 and struct.calcsize(HEADER.format) == 80
+    assert HEADER_SIZE == 128 and struct.calcsize(HEADER.format) == 128

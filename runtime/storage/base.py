@@ -4,7 +4,10 @@ L3 holds whole pages under their 64-bit chained page keys. Reads are prefix-shap
 only useful up to its first missing page, so `exists` and `get` count consecutive pages from the
 first and `get` reads nothing past a miss. A page that fails verification is a miss: a backend
 never reports a page it cannot vouch for, so a shortfall degrades the restore instead of
-corrupting the KV.
+corrupting the KV. Nor does a backend raise for what it meets in storage: an error there (a full
+or read-only disk, a file in the way) is a miss, or a page `put` reports as not written, since a
+cache fault must never cost a request or stop a node. Only bad arguments and calls on a closed
+store raise.
 
 Reads can be cancelled (a decode node stops a prefetch its policy gave up on): a `get` reports
 the pages that landed through its `progress` callback as they land, and once it returns or
@@ -95,6 +98,7 @@ class StoreStats:
     written: int = 0
     skipped: int = 0
     evicted: int = 0
+    errors: int = 0  # pages an OS error turned into a miss or a page not written
     bytes_read: int = 0
     bytes_written: int = 0
 

@@ -1,0 +1,129 @@
+"""What one node lets its peers hold: connections, bytes of half-received frames, and time.
+
+A node serves many peers at once, and none of them may make it exit or hold its memory or its
+connection slots for good. Each listening node (a decode node's client port, a prefill node's
+control port) owns one `Gate`, which admits connections up to `Limits.max_connections`, counts
+the bytes that frames being received announce against `Limits.frame_bytes_in_flight`, and hands
+out `FrameReader`s that cut off a frame not complete within `Limits.frame_timeout_s` of its
+first byte and a connection silent for `Limits.idle_timeout_s` between frames.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any
+
+import attrs
+import trio
+
+from hicache.runtime import protocol
+
+
+def _positive(_: Any, attribute: attrs.Attribute, value: float) -> None:
+    if not value > 0:  # NaN too
+        raise ValueError(f"limits.{attribute.name} must be > 0, got {value!r}")
+
+
+@attrs.frozen
+class Limits:
+    """A node's bounds on what its peers may hold (the defaults are in docs/reliability.md)."""
+
+    # Connections served at once; one more is answered with an error and closed.
+    max_connections: int = attrs.field(default=256, validator=_positive)
+    # Sum over connections of the sizes that frames being received announce (JSON + binary);
+    # a frame that would go past it is refused and its connection closed.
+    frame_bytes_in_flight: int = attrs.field(default=64 << 20, validator=_positive)
+    # Frames up to this size are not counted: connections x this is bounded by the connection cap.
+    small_frame: int = attrs.field(default=64 << 10, validator=attrs.validators.ge(0))
+    # From a frame's first byte to its last (and for a reply to be taken by the peer).
+    frame_timeout_s: float = attrs.field(default=30.0, validator=_positive)
+    # Between frames, with nothing asked of the node still in progress on the connection.
+    idle_timeout_s: float = attrs.field(default=600.0, validator=_positive)
+
+
+class Gate:
+    """One node's connections and frame bytes in flight, and the readers that respect them."""
+
+    def __init__(self, limits: Limits, log: logging.Logger) -> None:
+        self.limits = limits
+        self.log = log
+        self.connections = 0
+        self.in_flight = 0  # bytes announced by frames being received (above `small_frame`)
+        self.peak_in_flight = 0
+        self.refused_connections = 0
+        self.refused_frames = 0
+
+    # ------------------------------------------------------------------ the frame budget
+
+    @property
+    def small(self) -> int:
+        return self.limits.small_frame
+
+    def take(self, n: int) -> str:
+        """Reserve `n` bytes for a frame being received; why not ("" when reserved)."""
+        cap = self.limits.frame_bytes_in_flight
+        if self.in_flight + n > cap:
+            self.refused_frames += 1
+            return f"frame of {n} B refused: {self.in_flight} of {cap} B of frames in flight on this node"
+        self.in_flight += n
+        self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+        return ""
+
+    def give(self, n: int) -> None:
+        self.in_flight -= n
+
+    # ------------------------------------------------------------------ connections
+
+    def reader(
+        self, stream: trio.abc.ReceiveStream, *, max_binary: int = protocol.MAX_BINARY
+    ) -> protocol.FrameReader:
+        return protocol.FrameReader(
+            stream,
+            max_binary=max_binary,
+            frame_timeout=self.limits.frame_timeout_s,
+            idle_timeout=self.limits.idle_timeout_s,
+            budget=self,
+        )
+
+    async def enter(self, stream: trio.SocketStream, peer: str) -> bool:
+        """Count a new connection in, or answer it with the reason it is refused (False)."""
+        if self.connections >= self.limits.max_connections:
+            self.refused_connections += 1
+            reason = f"too many connections: this node serves at most {self.limits.max_connections}"
+            self.log.warning("refused a connection from %s: %s", peer, reason)
+            await self.send_quietly(stream, {"op": "error", "reason": reason})
+            return False
+        self.connections += 1
+        return True
+
+    def leave(self) -> None:
+        self.connections -= 1
+
+    async def send(self, stream: trio.abc.Stream, obj: dict[str, Any], binary: bytes = b"") -> None:
+        """Send a frame the peer must take within the frame timeout; a peer that does not is
+        cut off (the stream is closed) and this raises `ProtocolError`."""
+        with trio.move_on_after(self.limits.frame_timeout_s) as scope:
+            await protocol.send(stream, obj, binary)
+        if scope.cancelled_caught:
+            await stream.aclose()
+            raise protocol.ProtocolError(
+                f"the peer did not take a reply within {self.limits.frame_timeout_s} s"
+            )
+
+    async def send_quietly(self, stream: trio.abc.Stream, obj: dict[str, Any]) -> None:
+        """A last word before closing a connection: sent if the peer takes it in time, else not."""
+        with (
+            trio.move_on_after(self.limits.frame_timeout_s),
+            contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, protocol.ProtocolError),
+        ):
+            await protocol.send(stream, obj)
+
+
+def peer_name(stream: trio.SocketStream) -> str:
+    """host:port of the other end, for the log (or "?" once it is gone)."""
+    try:
+        host, port, *_ = stream.socket.getpeername()
+    except (OSError, ValueError, TypeError):
+        return "?"
+    return f"{host}:{port}"
