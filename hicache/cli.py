@@ -223,6 +223,29 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--engine", choices=["nixl", "tcp"], default="nixl", help="the P->D transfer engine")
         p.add_argument("--page-size", type=int_in(1), default=16, help="tokens per page")
         p.add_argument("--model-seed", type=int_in(0), default=0, help="the small model's weights")
+        limits = p.add_argument_group('what peers may hold (docs/reliability.md, "Hostile input")')
+        limits.add_argument("--max-connections", type=int_in(1), default=256, help="served at once")
+        limits.add_argument(
+            "--frame-bytes-in-flight",
+            type=int_in(1),
+            default=64 << 20,
+            metavar="BYTES",
+            help="sum of the frames being received, over all connections",
+        )
+        limits.add_argument(
+            "--frame-timeout",
+            type=float_above(0),
+            default=30.0,
+            metavar="S",
+            help="from a frame's first byte to its last",
+        )
+        limits.add_argument(
+            "--idle-timeout",
+            type=float_above(0),
+            default=600.0,
+            metavar="S",
+            help="a silent connection is closed",
+        )
         p.add_argument(
             "--mmap-threshold",
             type=mmap_threshold,
@@ -470,6 +493,7 @@ def run_node(args: argparse.Namespace) -> int:
                 model,
                 args.staging_pages,
                 args.mmap_threshold,
+                _limits(args),
             )
             return nodes.main_prefill(opts)
         return nodes.main_decode(_decode_options(args, model))
@@ -492,6 +516,18 @@ def _decode_options(args: argparse.Namespace, model: TinyConfig) -> DecodeOption
         tick_interval=args.tick_interval,
         faults=FaultSpec.from_arg(args.faults) if args.faults else None,
         mmap_threshold=args.mmap_threshold,
+        limits=_limits(args),
+    )
+
+
+def _limits(args: argparse.Namespace):
+    from hicache.runtime.limits import Limits
+
+    return Limits(
+        max_connections=args.max_connections,
+        frame_bytes_in_flight=args.frame_bytes_in_flight,
+        frame_timeout_s=args.frame_timeout,
+        idle_timeout_s=args.idle_timeout,
     )
 
 

@@ -51,7 +51,7 @@ from hicache.core.dispatch import Dispatcher
 from hicache.core.errors import CoreError
 from hicache.core.pages import namespace_seed, page_keys
 from hicache.faults import FaultSpec
-from hicache.runtime import protocol
+from hicache.runtime import compat, protocol
 from hicache.runtime.copy_engine import CopyEngine
 from hicache.runtime.faults import (
     CheckedCopies,
@@ -81,6 +81,11 @@ _CONTROL_ERRORS = (
     OSError,
     protocol.ProtocolError,
 )
+
+
+class IncompatiblePeer(protocol.ProtocolError):
+    """The prefill node cannot serve this decode node: another page size, layout, model, transfer
+    engine or protocol (see `hicache.runtime.compat`)."""
 
 
 @attrs.define(eq=False)
@@ -233,8 +238,15 @@ class DecodeService:
             reader = protocol.FrameReader(
                 stream, max_binary=0, frame_timeout=self.gate.limits.frame_timeout_s
             )
-            await protocol.send(stream, {"op": "hello", "info": self.engine.local_info().hex()})
+            mine = compat.profile(self.layout, self.engine, self.model.config)
+            hello = {"op": "hello", "info": self.engine.local_info().hex(), "profile": mine}
+            await protocol.send(stream, hello)
             hello, _ = await reader.receive()
+            if hello.get("op") == "error":
+                raise IncompatiblePeer(f"the prefill node refused: {protocol.clip(str(hello.get('reason')))}")
+            why = compat.mismatch(mine, hello.get("profile"), "the prefill node")
+            if why is not None:
+                raise IncompatiblePeer(why)
             info = protocol.field(hello, "info", str)
             try:
                 await self.engine.add_peer(bytes.fromhex(info))

@@ -8,7 +8,7 @@ files and connections:
 - L3 (`FaultyStore`, a `StorageBackend` around the node's real one): `exists` answers 0 or fewer
   hits; `get` reads nothing or a prefix; `put` writes nothing or a prefix; `corrupt` flips a byte
   of a page *file* (before a `get` reads it, or after a `put` wrote it), which the file store's
-  CRC then turns into a miss. Storage operations carry no command id, so they are numbered by
+  keyed MAC then turns into a miss. Storage operations carry no command id, so they are numbered by
   the store's own call sequence.
 - Copies (`CheckedCopies`, around the `CopyEngine`): a load-back copies nothing or a prefix, or
   reads an L2 page with a flipped byte; a backup copies nothing or a prefix, or leaves a flipped
@@ -17,7 +17,7 @@ files and connections:
 
 Corruption has to be caught by a layer that saw the bytes before they went bad:
 
-- in L3 files, by the CRC in each page file's header (`FileStore`), checked on every read;
+- in L3 files, by the keyed MAC in each page file's header (`FileStore`), checked on every read;
 - in L2 (a flipped byte at rest, a backup or a read that did not produce the bytes), by
   `PageGuard`: a checksum of every L2 page taken when the page was written (right after the
   backup's copy, or right after the verified L3 read) and checked on the L1 copy *after* the

@@ -33,6 +33,7 @@ from hicache.runtime import protocol
 from hicache.runtime.decode_node import DecodeService
 from hicache.runtime.faults import FaultyStore
 from hicache.runtime.kv_layout import KVLayout
+from hicache.runtime.limits import Limits
 from hicache.runtime.malloc_tuning import DEFAULT_MMAP_THRESHOLD, pin_mmap_threshold
 from hicache.runtime.model import TinyConfig, TinyModel
 from hicache.runtime.prefill_node import PrefillNode
@@ -108,6 +109,7 @@ class PrefillOptions:
     model: TinyConfig = TinyConfig()
     staging_pages: int = 1024
     mmap_threshold: int = DEFAULT_MMAP_THRESHOLD  # 0: leave glibc's adaptive threshold
+    limits: Limits = Limits()
 
 
 @attrs.frozen
@@ -123,6 +125,7 @@ class DecodeOptions:
     tick_interval: float = 0.002
     faults: FaultSpec | None = None  # injected into the node's own operations
     mmap_threshold: int = DEFAULT_MMAP_THRESHOLD  # 0: leave glibc's adaptive threshold
+    limits: Limits = Limits()
 
 
 def _ready(info: dict) -> None:
@@ -144,6 +147,7 @@ async def run_prefill(opts: PrefillOptions) -> None:
             layout_for(opts.model, opts.page_size),
             engine,
             staging_pages=opts.staging_pages,
+            limits=opts.limits,
         )
         nursery.start_soon(_until_signal, nursery.cancel_scope)
         try:
@@ -209,6 +213,7 @@ async def run_decode(opts: DecodeOptions) -> None:
             model_name=opts.model_name,
             tick_interval=opts.tick_interval,
             faults=opts.faults,
+            limits=opts.limits,
         )
         nursery.start_soon(_until_signal, nursery.cancel_scope)
         start = functools.partial(service.run, opts.port, opts.prefill, host=opts.host)

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 import trio
 
-from hicache.runtime import protocol
+from hicache.runtime import compat, protocol
 from hicache.runtime.kv_digest import page_digests
 from hicache.runtime.kv_layout import KVLayout
 from hicache.runtime.kv_pool import KVPool
@@ -139,13 +139,25 @@ class PrefillNode:
                 raise protocol.MessageError(f"expected 'hello', got {protocol.show(hello['op'])}")
             info = protocol.field(hello, "info", str)
             try:
-                peer = await self.engine.add_peer(bytes.fromhex(info))
-            except ValueError as exc:  # not hex, or info this engine cannot use
+                raw = bytes.fromhex(info)
+            except ValueError as exc:
+                raise protocol.MessageError(
+                    f"message 'hello': bad field 'info': {protocol.clip(str(exc))}"
+                ) from None
+            mine = compat.profile(self.layout, self.engine, self.model.config)
+            why = compat.mismatch(mine, hello.get("profile"), "the decode node")
+            if why is not None:  # checked before the peer is known to the engine
+                raise protocol.MessageError(f"message 'hello': {why}")
+            try:
+                peer = await self.engine.add_peer(raw)
+            except ValueError as exc:  # info this engine cannot use
                 raise protocol.MessageError(
                     f"message 'hello': bad field 'info': {protocol.clip(str(exc))}"
                 ) from None
             async with send_lock:
-                await self.gate.send(stream, {"op": "hello", "info": self.engine.local_info().hex()})
+                await self.gate.send(
+                    stream, {"op": "hello", "info": self.engine.local_info().hex(), "profile": mine}
+                )
             ended: Exception | None = None  # raised past the nursery, which would wrap it in a group
             async with trio.open_nursery() as nursery:
                 try:

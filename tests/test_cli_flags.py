@@ -95,6 +95,10 @@ BAD = [
     (DECODE, "--prefetch-threshold-tokens", "-1"),
     (DECODE, "--decode-reserve-tokens", "-1"),
     (DECODE, "--storage-dir", "FILE"),
+    (PREFILL, "--max-connections", "0"),
+    (DECODE, "--frame-bytes-in-flight", "0"),
+    (DECODE, "--frame-timeout", "-1"),
+    (PREFILL, "--idle-timeout", "inf"),
     (["node", "decode", "--engine", "tcp"], "--prefill", "localhost:0"),
     (["node", "decode", "--engine", "tcp"], "--prefill", "localhost:70000"),
     (["run", "SCENARIO", "--runtime"], "--limit", "-3"),
@@ -172,7 +176,7 @@ def test_a_decode_node_on_another_engine_than_its_prefill_is_refused_in_one_line
     line = one_line(done.stderr)
     assert f"--prefill 127.0.0.1:{port}" in line and "refused" in line
     assert prefill.returncode == 0  # the prefill node went on serving
-    assert "'nixl' engine" in one_line(prefill_err)
+    assert "engine differs: 'tcp' here, 'nixl' at the decode node" in one_line(prefill_err)
 
 
 def test_a_runtime_replay_leaves_no_temporary_l3_folder(scenario: Path, tmp_path: Path) -> None:
@@ -217,3 +221,40 @@ def test_ctrl_c_stops_a_runtime_replay_keeps_the_finished_requests_and_exits_130
     assert summary["interrupted"] is True and summary["completed"] == 2
     assert summary["exit_codes"] == {"decode": 0, "prefill": 0}  # stopped, cleanly
     assert not list(out.glob("l3-*"))
+
+
+def test_nodes_with_different_page_sizes_refuse_each_other_at_connect() -> None:
+    """Before the connect check, a decode node at 32 tokens a page against a prefill node at 16
+    said it was ready and then failed every request."""
+    prefill = subprocess.Popen(
+        [sys.executable, "-m", "hicache", "node", "prefill", "--engine", "tcp", "--page-size", "16"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert prefill.stdout is not None
+        port = json.loads(prefill.stdout.readline())["port"]
+        done = hicache(
+            "node", "decode", "--engine", "tcp", "--page-size", "32", "--prefill", f"127.0.0.1:{port}"
+        )
+    finally:
+        prefill.send_signal(signal.SIGTERM)
+        _, prefill_err = prefill.communicate(timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert done.stdout == ""  # never said it was ready
+    assert "page_size differs: 16 here, 32 at the decode node" in one_line(done.stderr)
+    assert "page_size differs: 16 here, 32 at the decode node" in one_line(prefill_err)
+    assert prefill.returncode == 0  # the prefill node went on serving
+
+
+def test_the_limit_flags_reach_the_nodes() -> None:
+    from hicache.cli import _limits, build_parser
+
+    args = build_parser().parse_args(
+        [*DECODE, "--max-connections", "3", "--frame-bytes-in-flight", "4096", "--frame-timeout", "2.5"]
+        + ["--idle-timeout", "9"]
+    )
+    limits = _limits(args)
+    assert (limits.max_connections, limits.frame_bytes_in_flight) == (3, 4096)
+    assert (limits.frame_timeout_s, limits.idle_timeout_s) == (2.5, 9.0)

@@ -529,7 +529,8 @@ async def decode_node() -> AsyncIterator[int]:
             reader = protocol.FrameReader(stream, max_binary=0)
             msg, _ = await reader.receive()
             await prefill.add_peer(bytes.fromhex(msg["info"]))
-            await protocol.send(stream, {"op": "hello", "info": prefill.local_info().hex()})
+            hello = {"op": "hello", "info": prefill.local_info().hex(), "profile": msg.get("profile")}
+            await protocol.send(stream, hello)
             await trio.sleep_forever()
 
         async with trio.open_nursery() as nursery:

@@ -33,7 +33,7 @@ from hypothesis import HealthCheck, Phase, event, given, settings
 from node_pair import GUARD_S, PAGE, assert_nothing_held, exchange, prompt, small_core, turn
 
 from hicache.core.config import DecodeConfig
-from hicache.runtime import protocol
+from hicache.runtime import compat, protocol
 from hicache.runtime.client import DecodeClient
 from hicache.runtime.decode_node import DecodeService
 from hicache.runtime.limits import Gate, Limits
@@ -90,7 +90,8 @@ class Nodes:
         return self.service.gate if node == "decode" else self.prefill.gate
 
     def hello(self) -> bytes:
-        return protocol.encode({"op": "hello", "info": self.stranger.local_info().hex()})
+        mine = compat.profile(self.prefill.layout, self.stranger, self.prefill.model.config)
+        return protocol.encode({"op": "hello", "info": self.stranger.local_info().hex(), "profile": mine})
 
     async def verified(self) -> dict[str, Any]:
         """A fresh request (a new prompt: prefill computes it) that the ledger checks bit-exactly."""
@@ -240,7 +241,8 @@ async def test_a_decode_node_survives_a_hostile_prefill(case: str) -> None:
             with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, EOFError):
                 msg, _ = await reader.receive()
                 peer = await fake.add_peer(bytes.fromhex(msg["info"]))
-                await protocol.send(stream, {"op": "hello", "info": fake.local_info().hex()})
+                hello = {"op": "hello", "info": fake.local_info().hex(), "profile": msg.get("profile")}
+                await protocol.send(stream, hello)
                 while True:
                     msg, _ = await reader.receive()
                     tid = msg["tid"]

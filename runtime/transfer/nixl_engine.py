@@ -102,6 +102,8 @@ class NixlEngine:
     `local_info()`: NIXL metadata includes the registrations.
     """
 
+    kind = "nixl"  # how peers name this engine (`hicache.runtime.compat`)
+
     kind = "nixl"
 
     def __init__(

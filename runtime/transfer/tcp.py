@@ -274,6 +274,8 @@ class TcpEngine:
     connection that never says HELLO is dropped. Transfers themselves have no deadline here.
     """
 
+    kind = "tcp"  # how peers name this engine (`hicache.runtime.compat`)
+
     kind = "tcp"
 
     def __init__(
