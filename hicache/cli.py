@@ -64,6 +64,20 @@ def float_above(low: float, *, inclusive: bool = False) -> Callable[[str], float
 
 PORT = int_in(0, 65535)  # 0: the system picks a free port (the node prints it when ready)
 
+# What a node's peers may hold (`hicache.runtime.limits.Limits`; defaults as there).
+LIMIT_FLAGS: tuple[tuple[str, Callable[[str], object], object, str, str], ...] = (
+    ("--max-connections", int_in(1), 256, "N", "connections served at once"),
+    (
+        "--frame-bytes-in-flight",
+        int_in(1),
+        64 << 20,
+        "BYTES",
+        "frames being received, summed over connections",
+    ),
+    ("--frame-timeout", float_above(0), 30.0, "S", "from a frame's first byte to its last"),
+    ("--idle-timeout", float_above(0), 600.0, "S", "a silent connection is closed after this"),
+)
+
 
 def mmap_threshold(text: str) -> int:
     """An argparse `type` for --mmap-threshold: what glibc's mallopt takes, 0 for adaptive."""
@@ -224,28 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--page-size", type=int_in(1), default=16, help="tokens per page")
         p.add_argument("--model-seed", type=int_in(0), default=0, help="the small model's weights")
         limits = p.add_argument_group('what peers may hold (docs/reliability.md, "Hostile input")')
-        limits.add_argument("--max-connections", type=int_in(1), default=256, help="served at once")
-        limits.add_argument(
-            "--frame-bytes-in-flight",
-            type=int_in(1),
-            default=64 << 20,
-            metavar="BYTES",
-            help="sum of the frames being received, over all connections",
-        )
-        limits.add_argument(
-            "--frame-timeout",
-            type=float_above(0),
-            default=30.0,
-            metavar="S",
-            help="from a frame's first byte to its last",
-        )
-        limits.add_argument(
-            "--idle-timeout",
-            type=float_above(0),
-            default=600.0,
-            metavar="S",
-            help="a silent connection is closed",
-        )
+        for flag, kind, default, metavar, what in LIMIT_FLAGS:
+            limits.add_argument(flag, type=kind, default=default, metavar=metavar, help=what)
         p.add_argument(
             "--mmap-threshold",
             type=mmap_threshold,

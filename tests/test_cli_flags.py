@@ -122,6 +122,26 @@ def test_a_bad_flag_value_is_one_line_naming_it_and_exit_2(
     assert not (tmp_path / "out").exists()  # refused before anything ran
 
 
+class Node(subprocess.Popen):
+    """A node process whose stderr is kept once it stopped."""
+
+    stderr_text = ""
+
+
+@contextlib.contextmanager
+def prefill_node(*args: str) -> Iterator[tuple[Node, int]]:
+    """A prefill node process and its port, stopped with SIGTERM when the block ends."""
+    node = Node(
+        [sys.executable, "-m", "hicache", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert node.stdout is not None
+        yield node, json.loads(node.stdout.readline())["port"]
+    finally:
+        node.send_signal(signal.SIGTERM)
+        _, node.stderr_text = node.communicate(timeout=60)
+
+
 @contextlib.contextmanager
 def taken_port() -> Iterator[int]:
     """A port some other socket listens on, for as long as the block runs."""
@@ -159,19 +179,9 @@ def test_a_decode_node_whose_prefill_is_unreachable_says_so_in_one_line() -> Non
 
 @pytest.mark.skipif(importlib.util.find_spec("nixl") is None, reason="nixl is not installed")
 def test_a_decode_node_on_another_engine_than_its_prefill_is_refused_in_one_line(tmp_path: Path) -> None:
-    prefill = subprocess.Popen(
-        [sys.executable, "-m", "hicache", *PREFILL],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert prefill.stdout is not None
-        port = json.loads(prefill.stdout.readline())["port"]
+    with prefill_node(*PREFILL) as (prefill, port):
         done = hicache("node", "decode", "--engine", "nixl", "--prefill", f"127.0.0.1:{port}")
-    finally:
-        prefill.send_signal(signal.SIGTERM)
-        _, prefill_err = prefill.communicate(timeout=60)
+    prefill_err = prefill.stderr_text
     assert done.returncode == 2, done.stderr
     line = one_line(done.stderr)
     assert f"--prefill 127.0.0.1:{port}" in line and "refused" in line
@@ -226,21 +236,11 @@ def test_ctrl_c_stops_a_runtime_replay_keeps_the_finished_requests_and_exits_130
 def test_nodes_with_different_page_sizes_refuse_each_other_at_connect() -> None:
     """Before the connect check, a decode node at 32 tokens a page against a prefill node at 16
     said it was ready and then failed every request."""
-    prefill = subprocess.Popen(
-        [sys.executable, "-m", "hicache", "node", "prefill", "--engine", "tcp", "--page-size", "16"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert prefill.stdout is not None
-        port = json.loads(prefill.stdout.readline())["port"]
+    with prefill_node(*PREFILL, "--page-size", "16") as (prefill, port):
         done = hicache(
             "node", "decode", "--engine", "tcp", "--page-size", "32", "--prefill", f"127.0.0.1:{port}"
         )
-    finally:
-        prefill.send_signal(signal.SIGTERM)
-        _, prefill_err = prefill.communicate(timeout=60)
+    prefill_err = prefill.stderr_text
     assert done.returncode == 2, done.stderr
     assert done.stdout == ""  # never said it was ready
     assert "page_size differs: 16 here, 32 at the decode node" in one_line(done.stderr)
