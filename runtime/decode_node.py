@@ -502,6 +502,7 @@ class DecodeService:
             "op": "kv",
             "tid": c.transfer,
             "tokens": live.tokens[:prompt_len],
+            "namespace": live.seed,  # prefill reuses work only within one tenant's namespace
             "start": c.start,
             "end": end,
             "dst": dst,

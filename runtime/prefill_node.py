@@ -255,6 +255,7 @@ class PrefillNode:
         reply: dict = {"op": "kv", "tid": tid}
         try:
             tokens = protocol.int_list(msg, "tokens", high=self.model.config.vocab)
+            namespace = protocol.int_field(msg, "namespace", high=1 << 64)
             start, end = protocol.field(msg, "start", int), protocol.field(msg, "end", int)
             dst = protocol.int_list(msg, "dst")
             page = self.layout.page_size
@@ -263,7 +264,7 @@ class PrefillNode:
             first_page, last_page = start // page, math.ceil(end / page)
             if len(dst) != last_page - first_page:
                 raise ValueError(f"{len(dst)} destination pages for pages {first_page}..{last_page - 1}")
-            kv, first_token = await self._kv(tokens)
+            kv, first_token = await self._kv(tokens, namespace)
             digests = await self._send(kv, first_page, last_page, peer, dst, f"kv:{tid}".encode())
             reply.update(ok=True, first_token=first_token, digests=digests)
         except protocol.MessageError as exc:  # a bad field: the reason names it
@@ -274,9 +275,16 @@ class PrefillNode:
             log.warning("kv %s from %s failed: %s", protocol.show(tid), protocol.show(peer), reply["reason"])
         await self._answer(stream, lock, peer, reply)
 
-    async def _kv(self, tokens: Sequence[int]) -> tuple[torch.Tensor, int]:
-        """The prompt's KV (all of it: attention needs every earlier token) and its first output."""
-        key = hashlib.blake2b(np.asarray(tokens, dtype=np.int64).tobytes(), digest_size=16).digest()
+    async def _kv(self, tokens: Sequence[int], namespace: int) -> tuple[torch.Tensor, int]:
+        """The prompt's KV (all of it: attention needs every earlier token) and its first output.
+
+        Recent prompts are remembered per namespace (model and tenant, `namespace_seed`): a
+        tenant never gets another tenant's prompt back faster than a new one, so the memo is no
+        timing channel between tenants."""
+        salt = namespace.to_bytes(8, "little")
+        key = hashlib.blake2b(
+            np.asarray(tokens, dtype=np.int64).tobytes(), digest_size=16, salt=salt
+        ).digest()
         hit = self._recent.get(key)
         if hit is not None:
             self._recent.move_to_end(key)

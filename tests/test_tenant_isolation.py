@@ -17,6 +17,8 @@ import trio
 from builders import examples
 from hypothesis import given, settings
 from kvworld import World
+from node_pair import GUARD_S, node_pair
+from node_pair import PAGE as PAIR_PAGE
 
 from hicache.core import events as ev
 from hicache.core.config import DecodeConfig
@@ -218,3 +220,20 @@ async def test_runtime_tenants_get_no_hit_from_each_other_on_any_tier(tmp_path: 
     finally:
         decode.kill()
         prefill.kill()
+
+
+async def test_prefill_reuses_a_prompt_only_within_its_tenant(tmp_path: Path) -> None:
+    """The prefill node remembers recent prompts; another tenant's identical prompt must be
+    computed again, or it would come back faster than a new prompt (a timing channel between
+    tenants). Counted, not timed: the prefill node's computed prompts."""
+    async with node_pair(tmp_path, storage=False) as pair:
+        tokens = list(range(30, 30 + 3 * PAIR_PAGE + 2))
+        for rid, tenant in (("a0", "a"), ("b0", "b"), ("c0", None)):
+            with trio.fail_after(GUARD_S):
+                reply, kv = await pair.client.generate(rid, tokens, 2, verify=True, tenant=tenant)
+            assert pair.ledger.check(tokens, 2, reply, kv, tenant=tenant) == [], reply["reason"]
+        assert pair.prefill.requests == 3  # one computation per tenant: none served another
+        with trio.fail_after(GUARD_S):
+            reply, _ = await pair.client.generate("a1", tokens, 2, tenant="a")
+        assert reply["outcome"] == "finished"
+        assert pair.prefill.requests == 3  # the same tenant's repeat is remembered
