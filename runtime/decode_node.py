@@ -175,6 +175,7 @@ class DecodeService:
         self._decode_wake = trio.Event()
         self._compute = trio.CapacityLimiter(1)
         self.dispatch = Dispatcher(self.core, self._handlers(), "runtime decode node")
+        self.refused_events = 0  # events the core refused (logged and dropped; the node went on)
 
     def _handlers(self) -> dict[type, Callable[[Any], None]]:
         """How each command is executed: I/O in its own task, batch changes at once."""
@@ -335,7 +336,7 @@ class DecodeService:
             check = "ok"
         except CoreError as exc:
             check = str(exc)
-        out: dict[str, Any] = {**self.core.audit(), "check": check}
+        out: dict[str, Any] = {**self.core.audit(), "check": check, "refused_events": self.refused_events}
         if self.faults is not None:
             out["faults_injected"] = dict(sorted(self.faults.injected.items()))
             out["faults_caught"] = dict(sorted(self.faults.caught.items()))
@@ -358,7 +359,7 @@ class DecodeService:
         keys = page_keys(np.asarray(prompt, dtype=np.int64), self.cfg.page_size, seed).tolist()
         self.live[rid] = live
         try:
-            self._feed(ev.RequestArrived(live.arrival, rid, len(prompt), keys))
+            self._feed(ev.RequestArrived(live.arrival, rid, len(prompt), keys), refuse=True)
         except CoreError:  # the core still keeps an ended request of that id (I/O in flight)
             del self.live[rid]
             return duplicate, b""
@@ -386,10 +387,20 @@ class DecodeService:
     def _now(self) -> float:
         return trio.current_time()
 
-    def _feed(self, event: ev.Event) -> None:
+    def _feed(self, event: ev.Event, *, refuse: bool = False) -> None:
         """Feed the core and execute its commands; the first event since the last tick asks
-        the tick loop for the next one. A refused event raises `CoreError`."""
-        if self.dispatch.feed(event):
+        the tick loop for the next one. A refused event changes nothing in the core, so it is
+        logged and dropped (an arrival's caller asks with `refuse` to answer it instead): what a
+        peer's late or doubled answer makes the driver feed never stops the node."""
+        try:
+            tick = self.dispatch.feed(event)
+        except CoreError as exc:
+            if refuse:
+                raise
+            log.error("the core refused %s: %s", type(event).__name__, exc)
+            self.refused_events += 1
+            return
+        if tick:
             self._tick_due.set()
 
     async def _tick_loop(self) -> None:

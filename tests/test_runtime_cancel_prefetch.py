@@ -233,10 +233,10 @@ async def test_the_timeout_policy_cancels_a_slow_prefetch_and_the_node_goes_on(t
 
         feed = service._feed
 
-        def spy_feed(e: ev.Event) -> None:
+        def spy_feed(e: ev.Event, **kw: bool) -> None:
             if isinstance(e, ev.PrefetchDone):
                 done.append((e, len(store.writes)))
-            feed(e)
+            feed(e, **kw)
 
         execute[cmd.Prefetch] = spy_prefetch
         service._feed = spy_feed  # type: ignore[method-assign]
