@@ -30,12 +30,9 @@ import json
 import math
 import struct
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
-
-if TYPE_CHECKING:
-    from hicache.core.decode_node import DecodeNodeCore
 
 OPS = ("l3_exists", "l3_get", "l3_put", "load", "backup", "transfer", "timer")
 FAULT_KINDS = ("error", "delay", "partial", "corrupt", "peer_death")
@@ -295,9 +292,3 @@ def decide(spec: FaultSpec, op: str, op_id: int, *, node: int = 0, sub: int = 0)
             lo, hi = f.seconds
             return Decision(op, f.kind, lo + (hi - lo) * u_delay if f.kind == "delay" else 0.0, u_where)
     return None
-
-
-def core_audit(core: DecodeNodeCore) -> dict[str, int]:
-    """What a decode node holds (`DecodeNodeCore.audit`): slots by owner, locks, pins, live
-    requests. A run that lost nothing has zero in every `leaked`, `locks`, `pins` and `live`."""
-    return core.audit()

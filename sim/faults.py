@@ -167,7 +167,8 @@ class SimFaults:
         """Pages of a `LoadBack` (indices into its pages, in order) that fail to arrive intact,
         and the delay of its completion. A request with any such page loses all of its pages in
         the batch, as when faults named requests: the same draws fail the same requests."""
-        n = len(c.host_slots)
+        host = c.host_slots  # built from the entries on each access: once here
+        n = len(host)
         lost: set[int] = set()  # positions in the batch
         d = self._decide("load", next(self._core_seq))
         if d is not None and (d.kind == "delay" or n):
@@ -177,8 +178,8 @@ class SimFaults:
             elif d.kind == "partial":
                 lost = set(range(d.prefix(n), n))
             elif d.kind == "corrupt":
-                self.bad_host.add(c.host_slots[d.index(n)])
-        lost.update(i for i, s in enumerate(c.host_slots) if s in self.bad_host)
+                self.bad_host.add(host[d.index(n)])
+        lost.update(i for i, s in enumerate(host) if s in self.bad_host)
         spans: list[tuple[str, int, int]] = []  # (request, first, end) per entry, in order
         start = 0
         for entry in c.entries:

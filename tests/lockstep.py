@@ -160,8 +160,6 @@ class Lockstep:
         assert all(o == ops[0] for o in ops), f"ranks hold different {attr}: {ops}"
         return ops[0]
 
-    same = shared_ops
-
     def complete_shared(self, *, transfers: bool = True) -> None:
         """Complete every shared operation in flight, on every rank at the same step."""
         for op in self.shared_ops("loads"):

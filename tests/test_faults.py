@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from node_pair import PAGE, assert_nothing_held, node_pair, prompt, turn
 
 from hicache.core.config import DecodeConfig
-from hicache.faults import APPLIES, OPS, Decision, FaultSpec, FaultSpecError, core_audit, decide, uniforms
+from hicache.faults import APPLIES, OPS, Decision, FaultSpec, FaultSpecError, decide, uniforms
 from hicache.runtime.client import DecodeClient
 from hicache.runtime.decode_node import DecodeService
 from hicache.runtime.model import TinyConfig, TinyModel
@@ -312,7 +312,7 @@ def check_sim_run(result: Any, cluster: Cluster, transfer_faults: bool) -> None:
         else:
             assert r.cached + r.transferred_tokens == r.prompt_tokens, r
     for d in cluster.decode:
-        audit = core_audit(d.core)
+        audit = d.core.audit()
         assert audit["l1_leaked"] == audit["l2_leaked"] == 0, audit
         assert audit["locks"] == audit["pins"] == audit["live"] == audit["reserved"] == 0, audit
 

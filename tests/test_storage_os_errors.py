@@ -23,16 +23,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 import trio
 from node_pair import assert_nothing_held, node_pair, prompt, turn
+from test_runtime_storage import LAYOUT, filled_pool, rows
 
-from hicache.runtime.kv_layout import KVLayout
 from hicache.runtime.kv_pool import KVPool
 from hicache.runtime.storage import FileStore
 from hicache.runtime.storage import file_store as fs
 
-LAYOUT = KVLayout(layers=2, kv_heads=2, head_dim=8, page_size=4, dtype="bfloat16")  # 512-byte pages
 LOGGER = "hicache.runtime.storage"
 
 
@@ -40,17 +38,6 @@ LOGGER = "hicache.runtime.storage"
 def _no_cluster_secret(monkeypatch: pytest.MonkeyPatch) -> None:
     """The key comes from each test's own choice, never from the environment of the run."""
     monkeypatch.delenv("HICACHE_CLUSTER_SECRET", raising=False)
-
-
-def filled_pool(num_pages: int = 8, seed: int = 0, layout: KVLayout = LAYOUT) -> KVPool:
-    pool = KVPool(layout, num_pages, name="l2")
-    data = np.random.default_rng(seed).integers(0, 256, size=(num_pages, layout.page_bytes), dtype=np.uint8)
-    pool.bytes_view().copy_(torch.from_numpy(data))
-    return pool
-
-
-def rows(pool: KVPool) -> np.ndarray:
-    return pool.bytes_view().numpy().copy()
 
 
 def warnings_about(caplog: pytest.LogCaptureFixture, word: str) -> list[str]:

@@ -166,7 +166,7 @@ def run_schedule(s: dict[str, Any]) -> Lockstep:
                         event("a prefetch ended short on some rank")
                     w.prefetch_done(op, pages)  # an error (or a cancel) ends it early
         # Load-backs complete at the same step everywhere, each rank with its own failures.
-        for op in r.same("loads"):
+        for op in r.shared_ops("loads"):
             reqs = r.lead.loads[op].reqs
             shared_fail = {x for x in reqs if by_req[x].load_fails_everywhere and x not in loads_failed}
             loads_failed |= shared_fail
@@ -181,19 +181,19 @@ def run_schedule(s: dict[str, Any]) -> Lockstep:
                 w.load_done(op, tuple(sorted(f)))
         r.compare(f"{where}, after the load-backs")
         # Shared: prefill transfers, backups, stores, timers, decode steps, finishes, aborts.
-        for tid in r.same("transfers"):
+        for tid in r.shared_ops("transfers"):
             rid = r.lead.transfers[tid].req
             if by_req[rid].fail_first_transfer and rid not in failed_once:
                 failed_once.add(rid)
                 r.each("kv_fail", tid)
             else:
                 r.each("kv_arrive", tid)
-        for op in r.same("backups"):
+        for op in r.shared_ops("backups"):
             r.each("backup_done", op)
-        for op in r.same("stores"):
+        for op in r.shared_ops("stores"):
             r.each("store_done", op)
         if s["timer_at"] is not None and step >= s["timer_at"]:
-            for t in r.same("timers"):
+            for t in r.shared_ops("timers"):
                 r.each("fire_timer", t)
         for rid in r.running():
             if r.lead.core.requests[rid].state is not State.RUNNING:
@@ -261,7 +261,7 @@ def test_a_load_back_failing_on_one_rank_is_recovered_by_every_rank() -> None:
     r.compare("after the first request")
     r.each("arrive", "b", toks)
     r.tick()
-    (op,) = r.same("loads")
+    (op,) = r.shared_ops("loads")
     r.worlds[0].load_done(op)
     r.worlds[1].load_done(op, ("b",))
     r.compare("after the load-back")

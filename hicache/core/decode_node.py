@@ -73,7 +73,7 @@ from hicache.core.promise import choose_parts
 from hicache.core.receipts import HostPin, LockReceipt
 from hicache.core.request import Request
 from hicache.core.states import TRANSITIONS, Decision, State, Trigger, trigger_name
-from hicache.core.tree import TREE, TieredRadixTree
+from hicache.core.tree import TREE, TieredRadixTree, first_failed
 
 
 @attrs.define(slots=True)
@@ -628,9 +628,7 @@ class DecodeNodeCore:
         if load is None:
             raise CoreError(f"LoadDone: no load-back #{e.op} is in flight")
         advance(LOAD, load.phase, ev.LoadDone, "", f"load-back #{e.op}")
-        total = sum(len(x.host_slots) for x in load.entries)
-        if any(not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < total for i in e.failed):
-            raise CoreError(f"LoadDone #{e.op}: failed pages {list(e.failed)!r} outside [0, {total})")
+        first_failed(e.failed, sum(len(x.host_slots) for x in load.entries), f"LoadDone #{e.op}")
         load.move(ev.LoadDone)
         bad = sorted(set(e.failed))
         start = 0

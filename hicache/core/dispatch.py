@@ -19,7 +19,6 @@ from hicache.core.decode_node import DecodeNodeCore
 from hicache.core.errors import CoreError
 
 COMMAND_TYPES: tuple[type, ...] = typing.get_args(Command)
-EVENT_TYPES: tuple[type, ...] = typing.get_args(ev.Event)
 
 Handlers = Mapping[type, Callable[[Any], None]]
 

@@ -541,7 +541,7 @@ class TieredRadixTree:
             raise CoreError(f"backup_done: no backup #{op} is in flight")
         nodes = self._path_order(nodes)
         total = sum(len(n.keys) for n in nodes)
-        first_bad = _first_failed(failed, total, f"backup_done #{op}")
+        first_bad = first_failed(failed, total, f"backup_done #{op}")
         del self._op_nodes[op]
         keys: list[int] = []
         good: list[TreeNode] = []
@@ -700,9 +700,8 @@ class TieredRadixTree:
             raise CoreError(f"store_done: no store #{op} is in flight")
         nodes = self._path_order(self._op_nodes[op])
         total = sum(len(n.keys) for n in nodes)
+        first_failed(failed, total, f"store_done #{op}")
         bad = set(failed)
-        if any(not isinstance(i, int) or not 0 <= i < total for i in bad):
-            raise CoreError(f"store_done #{op}: failed pages {sorted(failed)!r} outside [0, {total})")
         self._store_ops.discard(op)
         del self._op_nodes[op]
         keys: list[int] = []
@@ -933,13 +932,14 @@ class TieredRadixTree:
                 )
 
 
-def _first_failed(failed: Sequence[int], total: int, what: str) -> int:
-    """The first failed page of an operation over `total` pages (`total` when none failed)."""
+def first_failed(failed: Sequence[int], total: int, what: str) -> int:
+    """The first failed page of an operation over `total` pages (`total` when none failed);
+    `CoreError` naming `what` when a failed page is not one of them."""
     if not failed:
         return total
     if any(not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < total for i in failed):
-        raise CoreError(f"{what}: failed pages {sorted(failed)!r} outside [0, {total})")
-    return min(failed, default=total)
+        raise CoreError(f"{what}: failed pages {list(failed)!r} outside [0, {total})")
+    return min(failed)
 
 
 def _as_tuple(keys: Sequence[int] | np.ndarray) -> tuple[int, ...]:
