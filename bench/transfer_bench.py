@@ -9,7 +9,11 @@ into a second pool, checking the bytes once. The baseline is a plain blocking so
 run: `sendall` of the same bytes from one contiguous buffer into `recv_into` on the other side,
 then a one-byte ack, i.e. what a byte stream can do without any page bookkeeping.
 `nixl-pt` is NIXL with its progress thread enabled on both sides (the engine's default is off).
-GB/s = payload bytes / wall time of post + wait (1 GB = 1e9 bytes).
+GB/s = payload bytes / wall time of post + wait (1 GB = 1e9 bytes). The first two repetitions
+(not timed) open the connections, including the TCP engine's handshake.
+
+Both processes learn each other's engine (a TCP engine serves only peers it was told about) and
+share the cluster secret: HICACHE_CLUSTER_SECRET if set, else a random one for this run.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import secrets
 import socket
 import statistics
 import subprocess
@@ -72,8 +77,14 @@ async def serve_engine(kind: str, pages: int, page_bytes: int) -> None:
         engine.register("pool", pool)
         print("@INFO " + engine.local_info().hex(), flush=True)
         stdin = trio.lowlevel.FdStream(os.dup(sys.stdin.fileno()))
-        while await stdin.receive_some(1024):
-            pass
+        buf = b""
+        while chunk := await stdin.receive_some(1 << 16):  # "ADD <hex>" lines, then EOF
+            buf += chunk
+            while b"\n" in buf:
+                line, buf = buf.split(b"\n", 1)
+                cmd, _, rest = line.decode().strip().partition(" ")
+                if cmd == "ADD":
+                    print("@PEER " + await engine.add_peer(bytes.fromhex(rest)), flush=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -98,6 +109,17 @@ def spawn(kind: str, pages: int, page_bytes: int) -> tuple[subprocess.Popen[byte
         if line.startswith("@"):
             return proc, line.split(" ", 1)[1]
     raise RuntimeError(f"target for {kind} exited with {proc.wait()} before it was ready")
+
+
+def introduce(proc: subprocess.Popen[bytes], info: bytes) -> None:
+    """Tell the target process about the initiator's engine and wait until it knows it."""
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write(b"ADD " + info.hex().encode() + b"\n")
+    proc.stdin.flush()
+    for raw in proc.stdout:
+        if raw.startswith(b"@PEER"):
+            return
+    raise RuntimeError(f"target exited with {proc.wait()} before it knew the initiator")
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
@@ -130,7 +152,7 @@ def bench_raw(pages: int, page_bytes: int, repeat: int) -> list[float]:
 
 
 async def bench_engine(
-    kind: str, info: bytes, pages: int, page_bytes: int, repeat: int
+    kind: str, proc: subprocess.Popen[bytes], info: bytes, pages: int, page_bytes: int, repeat: int
 ) -> dict[str, list[float]]:
     rng = np.random.default_rng(0)
     src = rng.integers(0, 256, (pages, page_bytes), dtype=np.uint8)
@@ -142,6 +164,7 @@ async def bench_engine(
         r_src = engine.register("src", src)
         r_back = engine.register("back", back)
         peer = await engine.add_peer(info)
+        introduce(proc, engine.local_info())
         for op, region in (("WRITE", r_src), ("READ", r_back)):
             for i in range(repeat + 2):
                 t0 = time.perf_counter()
@@ -182,6 +205,8 @@ def main() -> None:
         sys.stdout.flush()
         os._exit(rc)  # NIXL/UCX teardown at interpreter exit can crash on some hosts
 
+    # Both processes must hold one cluster secret; the target inherits this environment.
+    os.environ.setdefault("HICACHE_CLUSTER_SECRET", "bench-" + secrets.token_hex(16))
     nbytes = args.pages * page_bytes
     mib = nbytes / 2**20
     print(f"{args.pages} pages x {page_bytes >> 10} KiB = {mib:.0f} MiB per transfer, {args.repeat} reps")
@@ -197,7 +222,9 @@ def main() -> None:
             print(f"{kind}: skipped ({e})")
             continue
         try:
-            times = trio.run(bench_engine, kind, bytes.fromhex(info), args.pages, page_bytes, args.repeat)
+            times = trio.run(
+                bench_engine, kind, proc, bytes.fromhex(info), args.pages, page_bytes, args.repeat
+            )
         finally:
             stop(proc)
         rows += [(kind, op, t) for op, t in times.items()]

@@ -76,6 +76,7 @@ LIMIT_FLAGS: tuple[tuple[str, Callable[[str], object], object, str, str], ...] =
     ),
     ("--frame-timeout", float_above(0), 30.0, "S", "from a frame's first byte to its last"),
     ("--idle-timeout", float_above(0), 600.0, "S", "a silent connection is closed after this"),
+    ("--max-tokens", int_in(1), 32768, "N", "tokens of one request, prompt and output together"),
 )
 
 
@@ -96,11 +97,12 @@ def mmap_threshold(text: str) -> int:
 
 def host_port(text: str) -> tuple[str, int]:
     """An argparse `type` for --prefill: HOST:PORT with a port the node can connect to."""
-    host, sep, port = text.rpartition(":")
-    host = host.removeprefix("[").removesuffix("]")  # [::1]:4464
-    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise argparse.ArgumentTypeError(f"expected HOST:PORT with a port in 1..65535, got {text!r}")
-    return host, int(port)
+    from hicache.runtime.prefill_address import parse
+
+    try:
+        return parse(text)  # [::1]:4464 too
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def directory(text: str) -> Path:
@@ -248,13 +250,64 @@ def build_parser() -> argparse.ArgumentParser:
             help="fix glibc's mmap threshold so freed tensors go back to the system and RSS stays flat "
             "(default 131072; 0 leaves glibc's adaptive threshold)",
         )
+        p.add_argument(
+            "--secret-file",
+            type=Path,
+            default=None,
+            metavar="FILE",
+            help="the cluster secret every node proves it holds (default: $HICACHE_CLUSTER_SECRET, else "
+            "~/.config/hicache/cluster-secret, created if missing); mode 0600, owned by this user",
+        )
     prefill.add_argument("--staging-pages", type=int_in(1), default=1024)
-    decode.add_argument(
+    prefill.add_argument(
+        "--address-file",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="write HOST:PORT here (atomically) once listening, for decode nodes' --prefill-file",
+    )
+    where = decode.add_mutually_exclusive_group(required=True)
+    where.add_argument(
         "--prefill",
-        required=True,
         type=host_port,
         metavar="HOST:PORT",
         help="the prefill node's control port",
+    )
+    where.add_argument(
+        "--prefill-file",
+        type=Path,
+        metavar="FILE",
+        help="a file holding the prefill node's HOST:PORT (its --address-file), read again at every "
+        "reconnection, so a prefill node restarted elsewhere is found",
+    )
+    decode.add_argument(
+        "--api-keys",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help='TOML of API keys -> tenant and admin (docs/reliability.md, "Tenants"); without it any '
+        "client may name its tenant and run admin operations",
+    )
+    decode.add_argument(
+        "--transfer-retries",
+        type=int_in(0),
+        default=6,
+        help="retries of a failed prefill transfer (default 6: with the backoff, about 6-11 s, "
+        "which spans a prefill restart)",
+    )
+    decode.add_argument(
+        "--transfer-backoff",
+        type=float_above(0, inclusive=True),
+        default=0.2,
+        metavar="SECONDS",
+        help="delay before the first retry, doubling per retry, jittered to 50-100%% (default 0.2)",
+    )
+    decode.add_argument(
+        "--transfer-backoff-max",
+        type=float_above(0, inclusive=True),
+        default=5.0,
+        metavar="SECONDS",
+        help="longest delay between two retries (default 5)",
     )
     decode.add_argument(
         "--storage-dir", type=directory, default=None, help="L3 file store (default: in memory)"
@@ -468,6 +521,9 @@ def _decode_config(args: argparse.Namespace):
         l2_pages=args.l2_pages,
         page_size=args.page_size,
         storage=not args.no_storage,
+        transfer_retries=args.transfer_retries,
+        transfer_backoff_s=args.transfer_backoff,
+        transfer_backoff_max_s=args.transfer_backoff_max,
         **policy,
     )
 
@@ -488,6 +544,8 @@ def run_node(args: argparse.Namespace) -> int:
                 args.staging_pages,
                 args.mmap_threshold,
                 _limits(args),
+                args.secret_file,
+                args.address_file,
             )
             return nodes.main_prefill(opts)
         return nodes.main_decode(_decode_options(args, model))
@@ -498,9 +556,14 @@ def run_node(args: argparse.Namespace) -> int:
 
 def _decode_options(args: argparse.Namespace, model: TinyConfig) -> DecodeOptions:
     from hicache.runtime import nodes
+    from hicache.runtime.prefill_address import PrefillAddress
 
+    if args.prefill is not None:
+        prefill = PrefillAddress(fixed=args.prefill)
+    else:
+        prefill = PrefillAddress(file=args.prefill_file)
     return nodes.DecodeOptions(
-        args.prefill,
+        prefill,
         _decode_config(args),
         port=args.port,
         host=args.host,
@@ -511,6 +574,8 @@ def _decode_options(args: argparse.Namespace, model: TinyConfig) -> DecodeOption
         faults=FaultSpec.from_arg(args.faults) if args.faults else None,
         mmap_threshold=args.mmap_threshold,
         limits=_limits(args),
+        secret_file=args.secret_file,
+        api_keys=args.api_keys,
     )
 
 
@@ -522,6 +587,7 @@ def _limits(args: argparse.Namespace):
         frame_bytes_in_flight=args.frame_bytes_in_flight,
         frame_timeout_s=args.frame_timeout,
         idle_timeout_s=args.idle_timeout,
+        max_tokens=args.max_tokens,
     )
 
 

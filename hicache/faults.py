@@ -16,7 +16,7 @@ Operation kinds (`OPS`) and the faults that apply to each (`APPLIES`):
 | `load`      | L2 -> L1 copy (a load-back)       | error, delay, partial, corrupt            |
 | `backup`    | L1 -> L2 copy                     | error, delay, partial, corrupt            |
 | `transfer`  | the KV increment, prefill -> decode | error, delay, partial, corrupt, peer_death |
-| `timer`     | a prefetch deadline               | error (fires at once), delay (fires late) |
+| `timer`     | a prefetch deadline, a retry backoff | error (fires at once), delay (fires late) |
 
 What each fault does to each operation is the drivers' part (`hicache.sim.faults`,
 `hicache.runtime.faults`); the table in docs/reliability.md states it. This module is pure data

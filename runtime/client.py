@@ -11,22 +11,58 @@ import trio
 from hicache.runtime import protocol
 
 
+class NodeGone(protocol.ProtocolError):
+    """The decode node closed the connection without answering: it stopped, crashed or was
+    restarted, and the request's outcome is unknown (it may have been served)."""
+
+
 class DecodeClient:
     """One connection; requests on it are answered in order (open several for concurrency).
 
     A decode node closes a connection that stays idle past its idle timeout, saying `goodbye`
     first; it read nothing after that, so a request that meets the goodbye (or a connection
-    that refuses the request's bytes) is sent again, once, on a new connection."""
+    that refuses the request's bytes) is sent again, once, on a new connection. A node that
+    goes away after reading a request is a `NodeGone` naming the node and the request. With an
+    `api_key`, each connection authenticates first (a node with `--api-keys` needs it)."""
 
-    def __init__(self, stream: trio.SocketStream, address: tuple[str, int] | None = None) -> None:
+    def __init__(
+        self,
+        stream: trio.SocketStream,
+        address: tuple[str, int] | None = None,
+        *,
+        api_key: str | None = None,
+    ) -> None:
         self.stream = stream
         self.reader = protocol.FrameReader(stream)
         self.lock = trio.Lock()
         self.address = address
+        self.api_key = api_key
+        self.principal: dict[str, Any] | None = None  # the node's answer to `auth`
+        self._gone = False
 
     @classmethod
-    async def connect(cls, host: str, port: int) -> DecodeClient:
-        return cls(await trio.open_tcp_stream(host, port), (host, port))
+    async def connect(cls, host: str, port: int, *, api_key: str | None = None) -> DecodeClient:
+        client = cls(await trio.open_tcp_stream(host, port), (host, port), api_key=api_key)
+        if api_key is not None:
+            async with client.lock:
+                await client._authenticate()
+        return client
+
+    @property
+    def where(self) -> str:
+        if self.address is not None:
+            return f"{self.address[0]}:{self.address[1]}"
+        with contextlib.suppress(OSError):
+            host, port = self.stream.socket.getpeername()[:2]
+            return f"{host}:{port}"
+        return "?"
+
+    async def _authenticate(self) -> None:
+        got = await self._exchange(protocol.encode({"op": "auth", "api_key": self.api_key}), "auth")
+        if got is None or got[0]["op"] != "auth":
+            reason = got[0].get("reason") if got is not None else "the connection closed"
+            raise protocol.ProtocolError(f"decode node at {self.where}: refused the API key: {reason}")
+        self.principal = got[0]
 
     async def _reconnect(self) -> None:
         host, port = self.address or self.stream.socket.getpeername()[:2]
@@ -34,28 +70,48 @@ class DecodeClient:
             await self.stream.aclose()
         self.stream = await trio.open_tcp_stream(host, port)
         self.reader = protocol.FrameReader(self.stream)
+        self._gone = False
+        if self.api_key is not None:
+            await self._authenticate()
 
-    async def _exchange(self, frame: bytes) -> tuple[dict[str, Any], bytes] | None:
+    async def _exchange(self, frame: bytes, what: str) -> tuple[dict[str, Any], bytes] | None:
         """The node's answer to `frame`, or None when the node provably did not read it."""
         try:
             await self.stream.send_all(frame)
         except trio.BrokenResourceError:
             return None  # the node had closed: a frame it did not receive whole is never served
-        reply, binary = await self.reader.receive()
+        try:
+            reply, binary = await self.reader.receive()
+        except (EOFError, trio.BrokenResourceError) as exc:
+            self._gone = True  # the next call opens a new connection first
+            raise NodeGone(
+                f"decode node at {self.where} closed the connection without answering {what} "
+                f"(it stopped or restarted; the outcome is unknown): {exc or type(exc).__name__}"
+            ) from None
         return None if reply["op"] == "goodbye" else (reply, binary)
 
     async def call(self, msg: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
         frame = protocol.encode(msg)
+        rid = msg.get("rid")
+        what = f"request {rid!r}" if isinstance(rid, str) else f"{msg.get('op')!r}"
         async with self.lock:
-            got = await self._exchange(frame)
+            got = None if self._gone else await self._exchange(frame, what)
             if got is None:
-                await self._reconnect()
-                got = await self._exchange(frame)
+                try:
+                    await self._reconnect()
+                except OSError as exc:
+                    raise NodeGone(
+                        f"decode node at {self.where} is gone: it closed the connection and refuses "
+                        f"new ones ({exc.strerror or exc}); {what} was not sent"
+                    ) from None
+                got = await self._exchange(frame, what)
             if got is None:
-                raise protocol.ProtocolError("decode node: closed the connection twice before answering")
+                raise protocol.ProtocolError(
+                    f"decode node at {self.where}: closed the connection twice before {what} was read"
+                )
         reply, binary = got
         if reply["op"] == "error":
-            raise protocol.ProtocolError(f"decode node: {reply.get('reason')}")
+            raise protocol.ProtocolError(f"decode node at {self.where}: {reply.get('reason')}")
         return reply, binary
 
     async def generate(

@@ -19,10 +19,13 @@ step, the digest of its bytes and where it came from (restored from the cache, o
 prefill with prefill's own digest), the digests of its final pages, and optionally the
 assembled KV itself.
 
-With a `FaultSpec` the service injects faults into its own operations (`runtime/faults.py`) and
-checks pages wherever they could go bad: L2 pages against the checksums taken when they were
-written, received pages against prefill's digests. A control connection to prefill that is lost
-is opened again by the next transfer.
+Every page received from prefill is checked against the digest prefill sent for it on the
+authenticated control connection (`runtime/peer_auth.py`): a page that differs fails its
+transfer, which the core retries or falls back from, and is never decoded from. With a
+`FaultSpec` the service also injects faults into its own operations (`runtime/faults.py`) and
+checks L2 pages against the checksums taken when they were written. A control connection to
+prefill that is lost is opened again by the next transfer, at the address `prefill_at` gives
+then (a prefill node restarted elsewhere is found there).
 
 Nothing a client or prefill sends stops the node: a bad frame ends its connection, a bad field
 its request, each with a reason in the log (`hicache.runtime.decode`) and, where the protocol
@@ -51,7 +54,9 @@ from hicache.core.dispatch import Dispatcher
 from hicache.core.errors import CoreError
 from hicache.core.pages import namespace_seed, page_keys
 from hicache.faults import FaultSpec
-from hicache.runtime import compat, protocol
+from hicache.runtime import compat, peer_auth, protocol
+from hicache.runtime.api_keys import MAX_TENANT_CHARS, OPEN, ApiKeys, Principal
+from hicache.runtime.cluster_secret import ClusterSecret
 from hicache.runtime.copy_engine import CopyEngine
 from hicache.runtime.faults import (
     CheckedCopies,
@@ -66,6 +71,7 @@ from hicache.runtime.kv_layout import KVLayout
 from hicache.runtime.kv_pool import KVPool
 from hicache.runtime.limits import Gate, Limits, peer_name
 from hicache.runtime.model import TinyModel, from_pages, to_pages
+from hicache.runtime.prefill_address import PrefillAddress
 from hicache.runtime.storage.base import StorageBackend
 from hicache.runtime.transfer.base import TransferEngine
 
@@ -136,9 +142,14 @@ class DecodeService:
         faults: FaultSpec | None = None,
         check_pages: bool | None = None,
         limits: Limits | None = None,
+        secret: ClusterSecret | None = None,
+        api_keys: ApiKeys | None = None,
     ) -> None:
         """`check_pages` (default: whenever `faults` are given) verifies every page leaving L2
-        and every page received from prefill; `limits` bound what clients may hold."""
+        against its checksum (pages received from prefill are always checked against prefill's
+        digests); `limits` bound what clients may hold; `secret` (default:
+        `ClusterSecret.load()`) is what the prefill node must prove it holds, and this node too;
+        `api_keys` say who clients are (None: open, see `runtime/api_keys.py`)."""
         if layout.page_size != config.page_size:
             raise ValueError(f"layout page size {layout.page_size} != core page size {config.page_size}")
         self.cfg = config
@@ -153,6 +164,9 @@ class DecodeService:
         self.transfer_timeout = transfer_timeout
         self.fence_timeout = fence_timeout
         self.gate = Gate(limits if limits is not None else Limits(), log)
+        self.secret = secret if secret is not None else ClusterSecret.load()
+        self._prefill_peer: str | None = None  # the prefill engine's name, once a hello named it
+        self.api_keys = api_keys
         self.abandoned = 0  # transfers given up on without a fence (their requests failed)
         self.l1 = KVPool(layout, config.l1_pages, device=device, name="L1")
         self.l2 = KVPool(layout, max(config.l2_pages, 1), name="L2")
@@ -163,7 +177,7 @@ class DecodeService:
         self.checked = CheckedCopies(self.copies, self.l1, self.l2, guard=guard, faults=self.faults)
         self.live: dict[str, _Live] = {}
         self._nursery: trio.Nursery | None = None
-        self._prefill_at: tuple[str, int] = ("", 0)
+        self._prefill_at = PrefillAddress(("", 0))
         self._prefill: trio.SocketStream | None = None  # None: to be opened by the next transfer
         self._prefill_gen = 0  # counts control connections opened
         self._sent: dict[int, int] = {}  # transfer -> the connection its request went out on, until answered
@@ -209,13 +223,13 @@ class DecodeService:
     async def run(
         self,
         client_port: int,
-        prefill: tuple[str, int],
+        prefill: PrefillAddress | tuple[str, int],
         *,
         host: str = "127.0.0.1",
         task_status=trio.TASK_STATUS_IGNORED,
     ) -> None:
         """Connect to the prefill node, then serve clients on `client_port` until cancelled."""
-        self._prefill_at = prefill
+        self._prefill_at = prefill if isinstance(prefill, PrefillAddress) else PrefillAddress(prefill)
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
@@ -234,15 +248,30 @@ class DecodeService:
 
     async def _connect_prefill(self) -> None:
         """Open the control connection (hello: each side learns the other's transfer engine)."""
-        stream = await trio.open_tcp_stream(*self._prefill_at)
         try:
-            reader = protocol.FrameReader(
-                stream, max_binary=0, frame_timeout=self.gate.limits.frame_timeout_s
+            host, port = self._prefill_at.resolve()  # again each time: it may have moved
+        except ValueError as exc:
+            raise protocol.ProtocolError(f"no prefill address: {exc}") from None
+        stream = await trio.open_tcp_stream(host, port)
+        limit = self.gate.limits.frame_timeout_s
+        try:
+            reader = protocol.FrameReader(stream, max_binary=0, frame_timeout=limit)
+
+            async def hear() -> dict[str, Any]:
+                # A peer that accepts and then says nothing must not hold start-up or a transfer.
+                with trio.move_on_after(limit):
+                    return (await reader.receive())[0]
+                raise protocol.ProtocolError(
+                    f"the prefill node at {host}:{port} said nothing for {limit:g} s"
+                )
+
+            await peer_auth.initiate(
+                self.secret, functools.partial(protocol.send, stream), hear, "the prefill node"
             )
             mine = compat.profile(self.layout, self.engine, self.model.config)
             hello = {"op": "hello", "info": self.engine.local_info().hex(), "profile": mine}
             await protocol.send(stream, hello)
-            hello, _ = await reader.receive()
+            hello = await hear()
             if hello.get("op") == "error":
                 raise IncompatiblePeer(f"the prefill node refused: {protocol.clip(str(hello.get('reason')))}")
             why = compat.mismatch(mine, hello.get("profile"), "the prefill node")
@@ -250,7 +279,10 @@ class DecodeService:
                 raise IncompatiblePeer(why)
             info = protocol.field(hello, "info", str)
             try:
-                await self.engine.add_peer(bytes.fromhex(info))
+                name = await self.engine.add_peer(bytes.fromhex(info))
+                if self._prefill_peer not in (None, name):  # a restarted prefill's old engine
+                    self.engine.remove_peer(self._prefill_peer)
+                self._prefill_peer = name
             except ValueError as exc:  # not hex, or info the engine cannot use
                 raise protocol.ProtocolError(
                     f"prefill's hello: bad 'info': {protocol.clip(str(exc))}"
@@ -279,6 +311,7 @@ class DecodeService:
 
     async def _serve_client(self, stream: trio.SocketStream, peer: str) -> None:
         reader = self.gate.reader(stream, max_binary=0)
+        who: Principal | None = OPEN if self.api_keys is None else None  # None: not yet known
         try:
             while True:
                 try:
@@ -286,7 +319,12 @@ class DecodeService:
                 except EOFError:
                     return
                 try:
-                    reply, binary = await self._answer(msg)
+                    if msg["op"] == "auth":
+                        who = self._authenticate(msg, who, peer)
+                        reply = {"op": "auth", "ok": True, "tenant": who.tenant, "admin": who.admin}
+                        binary = b""
+                    else:
+                        reply, binary = await self._answer(msg, who)
                 except protocol.MessageError as exc:  # the frame was whole: answer it, go on
                     log.warning("client %s: request refused: %s", peer, exc)
                     reply, binary = {"op": "error", "reason": str(exc)}, b""
@@ -308,11 +346,31 @@ class DecodeService:
             reason = f"internal error: {type(exc).__name__}: {protocol.clip(str(exc))}"
             await self.gate.send_quietly(stream, {"op": "error", "reason": reason})
 
-    async def _answer(self, msg: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
-        """The answer to one client message; `MessageError` for a missing or bad field."""
+    def _authenticate(self, msg: dict[str, Any], who: Principal | None, peer: str) -> Principal:
+        """The principal of the API key in an `auth` message; a wrong key ends the connection."""
+        if self.api_keys is None:
+            return OPEN
+        if who is not None:
+            raise protocol.MessageError("message 'auth': this connection is authenticated already")
+        got = self.api_keys.lookup(msg.get("api_key"))
+        if got is None:
+            raise protocol.ProtocolError("message 'auth': unknown API key")
+        log.info("client %s: authenticated (tenant %s, admin %s)", peer, protocol.show(got.tenant), got.admin)
+        return got
+
+    async def _answer(self, msg: dict[str, Any], who: Principal | None) -> tuple[dict[str, Any], bytes]:
+        """The answer to one client message; `MessageError` for a missing or bad field, or for
+        an operation this client's API key does not allow."""
         op = msg["op"]
+        if who is None:
+            raise protocol.MessageError(
+                f"message {protocol.show(op)}: this node needs an API key: send "
+                "{'op': 'auth', 'api_key': ...} first"
+            )
         if op == "generate":
-            return await self._generate(msg)
+            return await self._generate(msg, who)
+        if op in ("evict", "idle", "stats", "audit") and not who.admin:
+            raise protocol.MessageError(f"message {op!r}: needs an admin API key")
         if op == "evict":
             l1 = protocol.int_field(msg, "l1") if "l1" in msg else 1 << 40
             l2 = protocol.int_field(msg, "l2") if "l2" in msg else 0
@@ -342,14 +400,31 @@ class DecodeService:
             out["faults_caught"] = dict(sorted(self.faults.caught.items()))
         return out
 
-    async def _generate(self, msg: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
-        """Check every field before anything is touched: a bad one is a `MessageError`."""
+    async def _generate(self, msg: dict[str, Any], who: Principal) -> tuple[dict[str, Any], bytes]:
+        """Check every field before anything is touched: a bad one is a `MessageError`. The
+        tenant is the API key's; only a node without keys lets the client name it."""
         rid = protocol.text(msg, "rid")
         prompt = protocol.int_list(msg, "tokens", high=self.model.config.vocab)
         if not prompt:
             raise protocol.MessageError("message 'generate': field 'tokens' must hold at least one token")
         max_new = protocol.int_field(msg, "max_new", low=1)
+        cap = self.gate.limits.max_tokens
+        if len(prompt) + max_new > cap:
+            raise protocol.MessageError(
+                f"message 'generate': {len(prompt)} prompt tokens + max_new {max_new} is over this "
+                f"node's limit of {cap} tokens per request (--max-tokens)"
+            )
         tenant = protocol.text(msg, "tenant") if msg.get("tenant") is not None else None
+        if tenant is not None and len(tenant) > MAX_TENANT_CHARS:
+            raise protocol.MessageError(
+                f"message 'generate': field 'tenant' is over {MAX_TENANT_CHARS} characters"
+            )
+        if self.api_keys is not None:
+            if tenant is not None and tenant != who.tenant:
+                raise protocol.MessageError(
+                    "message 'generate': field 'tenant' differs from the tenant of this connection's API key"
+                )
+            tenant = who.tenant
         verify = protocol.field(msg, "verify", bool) if msg.get("verify") is not None else False
         duplicate = {"op": "result", "rid": rid, "outcome": "failed", "reason": "duplicate request id"}
         if rid in self.live:
@@ -545,7 +620,7 @@ class DecodeService:
             reason = self._bad_reply(reply, len(dst))
             if reason:
                 log.warning("transfer %d failed: %s", c.transfer, reason)
-        if not reason and self.check_pages:
+        if not reason:  # always: a page that is not what prefill sent is never served
             if faults is not None and d is not None and d.kind == "corrupt" and dst:
                 faults.applied(d)
                 i, offset = flip_offset(d, len(dst), self.layout.page_bytes)

@@ -5,7 +5,8 @@ connection slots for good. Each listening node (a decode node's client port, a p
 control port) owns one `Gate`, which admits connections up to `Limits.max_connections`, counts
 the bytes that frames being received announce against `Limits.frame_bytes_in_flight`, and hands
 out `FrameReader`s that cut off a frame not complete within `Limits.frame_timeout_s` of its
-first byte and a connection silent for `Limits.idle_timeout_s` between frames.
+first byte and a connection silent for `Limits.idle_timeout_s` between frames. Both nodes
+refuse a request of more than `Limits.max_tokens` tokens.
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ class Limits:
     frame_timeout_s: float = attrs.field(default=30.0, validator=_positive)
     # Between frames, with nothing asked of the node still in progress on the connection.
     idle_timeout_s: float = attrs.field(default=600.0, validator=_positive)
+    # Tokens of one request, prompt and output together: the model's compute grows with them
+    # (attention quadratically), and one request must not hold the node's compute for hours.
+    max_tokens: int = attrs.field(default=32768, validator=_positive)
 
 
 class Gate:

@@ -17,7 +17,9 @@ import contextlib
 import errno
 import functools
 import json
+import logging
 import os
+import secrets
 import signal
 import socket
 import sys
@@ -30,12 +32,16 @@ import trio
 from hicache.core.config import DecodeConfig
 from hicache.faults import FaultSpec
 from hicache.runtime import protocol
+from hicache.runtime.api_keys import ApiKeyError, ApiKeys
+from hicache.runtime.cluster_secret import ClusterSecret, UntrustedSecret
 from hicache.runtime.decode_node import DecodeService
 from hicache.runtime.faults import FaultyStore
 from hicache.runtime.kv_layout import KVLayout
 from hicache.runtime.limits import Limits
 from hicache.runtime.malloc_tuning import DEFAULT_MMAP_THRESHOLD, pin_mmap_threshold
 from hicache.runtime.model import TinyConfig, TinyModel
+from hicache.runtime.peer_auth import AuthError
+from hicache.runtime.prefill_address import PrefillAddress, advertised, write
 from hicache.runtime.prefill_node import PrefillNode
 from hicache.runtime.storage.file_store import FileStore
 from hicache.runtime.storage.memory_store import MemoryStore
@@ -47,6 +53,9 @@ ENGINES = ("nixl", "tcp")
 _BIND_ERRNOS = {errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES}
 # What a prefill node that refuses the decode node's hello (or is not a prefill node) ends in.
 _HELLO_ERRORS = (EOFError, protocol.ProtocolError, trio.BrokenResourceError)
+
+
+_SECRET_FLAGS = "--secret-file or HICACHE_CLUSTER_SECRET"
 
 
 class StartupError(Exception):
@@ -87,9 +96,12 @@ def layout_for(model: TinyConfig, page_size: int) -> KVLayout:
     return KVLayout(model.layers, model.kv_heads, model.head_dim, page_size, model.dtype)
 
 
-def make_engine(kind: str, name: str) -> TransferEngine:
+def make_engine(kind: str, name: str, secret: ClusterSecret) -> TransferEngine:
+    """The transfer engine `kind`; `name` gets a random suffix, since peers that still know a
+    stopped node's engine refuse to rebind its name to a new address."""
+    name = f"{name}-{secrets.token_hex(3)}"
     if kind == "tcp":
-        return TcpEngine(name=name)
+        return TcpEngine(name=name, secret=secret)
     if kind == "nixl":
         try:
             from hicache.runtime.transfer.nixl_engine import NixlEngine
@@ -110,11 +122,13 @@ class PrefillOptions:
     staging_pages: int = 1024
     mmap_threshold: int = DEFAULT_MMAP_THRESHOLD  # 0: leave glibc's adaptive threshold
     limits: Limits = Limits()
+    secret_file: Path | None = None  # None: HICACHE_CLUSTER_SECRET, else the default file
+    address_file: Path | None = None  # rewritten with HOST:PORT once the node listens
 
 
 @attrs.frozen
 class DecodeOptions:
-    prefill: tuple[str, int]
+    prefill: PrefillAddress | tuple[str, int]
     core: DecodeConfig
     port: int = 0
     host: str = "127.0.0.1"
@@ -126,6 +140,17 @@ class DecodeOptions:
     faults: FaultSpec | None = None  # injected into the node's own operations
     mmap_threshold: int = DEFAULT_MMAP_THRESHOLD  # 0: leave glibc's adaptive threshold
     limits: Limits = Limits()
+    secret_file: Path | None = None  # None: HICACHE_CLUSTER_SECRET, else the default file
+    api_keys: Path | None = None  # None: an open node (every client an admin naming its tenant)
+
+
+def _secret(path: Path | None) -> ClusterSecret:
+    try:
+        return ClusterSecret.load(path)
+    except (OSError, UntrustedSecret) as exc:
+        flag = f"--secret-file {path}" if path is not None else "the cluster secret"
+        reason = why(exc) if isinstance(exc, OSError) else str(exc)
+        raise StartupError(f"{flag}: cannot use it ({reason}); give {_SECRET_FLAGS}") from exc
 
 
 def _ready(info: dict) -> None:
@@ -140,7 +165,8 @@ async def _until_signal(cancel: trio.CancelScope) -> None:
 
 
 async def run_prefill(opts: PrefillOptions) -> None:
-    engine = make_engine(opts.engine, f"prefill-{opts.engine}-{os.getpid()}")
+    secret = _secret(opts.secret_file)
+    engine = make_engine(opts.engine, f"prefill-{opts.engine}-{os.getpid()}", secret)
     async with engine, trio.open_nursery() as nursery:
         node = PrefillNode(
             TinyModel(opts.model),
@@ -148,6 +174,7 @@ async def run_prefill(opts: PrefillOptions) -> None:
             engine,
             staging_pages=opts.staging_pages,
             limits=opts.limits,
+            secret=secret,
         )
         nursery.start_soon(_until_signal, nursery.cancel_scope)
         try:
@@ -157,7 +184,15 @@ async def run_prefill(opts: PrefillOptions) -> None:
             if not isinstance(err, OSError):
                 raise
             raise StartupError(_cannot_listen(opts.host, opts.port, err)) from err
-        _ready({"node": "prefill", "port": listeners[0].socket.getsockname()[1], "engine": engine.name})
+        port = listeners[0].socket.getsockname()[1]
+        if opts.address_file is not None:
+            try:
+                write(opts.address_file, advertised(opts.host), port)
+            except OSError as exc:
+                raise StartupError(
+                    f"--address-file {opts.address_file}: cannot write it ({why(exc)})"
+                ) from exc
+        _ready({"node": "prefill", "port": port, "engine": engine.name})
 
 
 def _cannot_listen(host: str, port: int, exc: OSError) -> str:
@@ -179,17 +214,27 @@ async def _check_listen(host: str, port: int) -> None:
 
 def _decode_start_failure(exc: BaseException, opts: DecodeOptions) -> str | None:
     """The one line for an error out of the decode service's start-up; None: not a start-up error."""
-    host, port = opts.prefill
+    where = _prefill_flag(opts.prefill)
     if isinstance(exc, OSError):
         if exc.errno in _BIND_ERRNOS:  # the port was taken after `_check_listen`
             return _cannot_listen(opts.host, opts.port, exc)
-        return f"--prefill {host}:{port}: cannot reach the prefill node ({why(exc)})"
+        return f"{where}: cannot reach the prefill node ({why(exc)})"
+    if isinstance(exc, AuthError):
+        return f"{where}: {exc}; both nodes need the same cluster secret ({_SECRET_FLAGS})"
     if isinstance(exc, _HELLO_ERRORS):
         return (
-            f"--prefill {host}:{port}: the prefill node refused the connection's hello "
+            f"{where}: the prefill node refused the connection's hello "
             f"({exc or type(exc).__name__}); both nodes need the same --engine and --page-size"
         )
     return None
+
+
+def _prefill_flag(prefill: PrefillAddress | tuple[str, int]) -> str:
+    if isinstance(prefill, tuple):
+        return f"--prefill {prefill[0]}:{prefill[1]}"
+    if prefill.file is not None:
+        return f"--prefill-file {prefill.file}"
+    return f"--prefill {prefill}"
 
 
 async def run_decode(opts: DecodeOptions) -> None:
@@ -200,9 +245,14 @@ async def run_decode(opts: DecodeOptions) -> None:
         raise StartupError(f"--storage-dir {opts.storage_dir}: cannot use it ({why(exc)})") from exc
     if opts.faults is not None:
         FaultyStore.check(opts.faults, store)  # before anything starts: a bad spec exits with its reason
+    secret = _secret(opts.secret_file)
+    try:
+        keys = ApiKeys.load(opts.api_keys) if opts.api_keys is not None else None
+    except ApiKeyError as exc:
+        raise StartupError(f"--api-keys {exc}") from exc
     await _check_listen(opts.host, opts.port)
     # A restarted decode node must not reuse its predecessor's agent name: peers still know it.
-    engine = make_engine(opts.engine, f"decode-{opts.engine}-{os.getpid()}")
+    engine = make_engine(opts.engine, f"decode-{opts.engine}-{os.getpid()}", secret)
     async with engine, trio.open_nursery() as nursery:
         service = DecodeService(
             opts.core,
@@ -214,6 +264,8 @@ async def run_decode(opts: DecodeOptions) -> None:
             tick_interval=opts.tick_interval,
             faults=opts.faults,
             limits=opts.limits,
+            secret=secret,
+            api_keys=keys,
         )
         nursery.start_soon(_until_signal, nursery.cancel_scope)
         start = functools.partial(service.run, opts.port, opts.prefill, host=opts.host)
@@ -228,6 +280,10 @@ async def run_decode(opts: DecodeOptions) -> None:
         if isinstance(store, FileStore):
             info["leftovers_removed"] = store.leftovers_removed
         _ready(info)
+        if keys is None:
+            logging.getLogger("hicache.runtime.decode").warning(
+                "no --api-keys: every client may name its tenant and run admin operations"
+            )
 
 
 def main_prefill(opts: PrefillOptions) -> int:

@@ -1,7 +1,8 @@
 """The prefill node: computes a prompt's KV with the model and writes the pages a decode node
 asks for straight into that node's L1 pool over the transfer engine.
 
-A decode node connects, says hello with its engine's `local_info()`, then sends
+A decode node connects, proves that it holds the cluster secret (`runtime/peer_auth.py`; the
+prefill node proves it too), says hello with its engine's `local_info()`, then sends
 `kv` requests: tokens, the range [start, end) it lacks, and the L1 pages to write them to. The
 prefill node computes (or reuses, for a fallback range of a prompt it just computed) the KV,
 stages the pages, posts one WRITE with the notification `kv:<transfer>`, and answers with the
@@ -14,11 +15,13 @@ failure included, is likewise sent only after its WRITE settled. A request cance
 it arrived is refused when it does. When a control connection ends, the transfers it asked for
 are cancelled the same way: their decode node stopped waiting for them.
 
-Nothing a peer sends stops the node: a bad frame, or a message it cannot address (no `tid`),
-ends that connection with an `error` answer and a reason in the log (`hicache.runtime.prefill`);
-a `kv` request with a bad field is answered `ok: false` with the reason. `Limits` bound the
-connections, the bytes of frames being received, and the time a frame or an idle connection
-may take (`runtime/limits.py`).
+The hello binds the decode node's engine name to its address for as long as one of its control
+connections lives: a hello naming a known engine at another address is refused, so no peer
+can divert another's KV. Nothing a peer sends stops the node: a bad frame, or a message it
+cannot address (no `tid`), ends that connection with an `error` answer and a reason in the log
+(`hicache.runtime.prefill`); a `kv` request with a bad field is answered `ok: false` with the
+reason. `Limits` bound the connections, the bytes of frames being received, and the time a
+frame or an idle connection may take (`runtime/limits.py`).
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ import numpy as np
 import torch
 import trio
 
-from hicache.runtime import compat, protocol
+from hicache.runtime import compat, peer_auth, protocol
+from hicache.runtime.cluster_secret import ClusterSecret
 from hicache.runtime.kv_digest import page_digests
 from hicache.runtime.kv_layout import KVLayout
 from hicache.runtime.kv_pool import KVPool
@@ -92,8 +96,10 @@ class PrefillNode:
         remember: int = 32,
         transfer_timeout: float = 30.0,
         limits: Limits | None = None,
+        secret: ClusterSecret | None = None,
     ) -> None:
-        """`limits` bound what the decode nodes (any peer) connected to this node may hold."""
+        """`limits` bound what the decode nodes (any peer) connected to this node may hold;
+        `secret` (default: `ClusterSecret.load()`) is what each of them must prove it holds."""
         self.model = model
         self.layout = layout
         self.engine = engine
@@ -102,6 +108,8 @@ class PrefillNode:
         self.pages = _PageAllocator(staging_pages)
         self.transfer_timeout = transfer_timeout
         self.gate = Gate(limits if limits is not None else Limits(), log)
+        self.secret = secret if secret is not None else ClusterSecret.load()
+        self._peer_connections: dict[str, int] = {}  # engine name -> its live control connections
         self._remember = remember
         self._recent: OrderedDict[bytes, tuple[torch.Tensor, int]] = OrderedDict()
         self._compute = trio.CapacityLimiter(1)
@@ -133,7 +141,18 @@ class PrefillNode:
     async def _control(self, stream: trio.SocketStream, where: str) -> None:
         reader = self.gate.reader(stream, max_binary=0)
         send_lock = trio.Lock()
+        peer: str | None = None
+
+        async def say(msg: dict) -> None:
+            async with send_lock:
+                await self.gate.send(stream, msg)
+
+        async def hear() -> dict:
+            return (await reader.receive())[0]
+
         try:
+            # Nothing the peer says is acted on before it proved it holds the cluster secret.
+            await peer_auth.accept(self.secret, say, hear, f"the peer at {where}")
             hello, _ = await reader.receive()
             if hello["op"] != "hello":
                 raise protocol.MessageError(f"expected 'hello', got {protocol.show(hello['op'])}")
@@ -149,11 +168,13 @@ class PrefillNode:
             if why is not None:  # checked before the peer is known to the engine
                 raise protocol.MessageError(f"message 'hello': {why}")
             try:
+                # A known engine name is never rebound to another address (the engine refuses).
                 peer = await self.engine.add_peer(raw)
-            except ValueError as exc:  # info this engine cannot use
+            except ValueError as exc:  # info this engine cannot use, or a name bound elsewhere
                 raise protocol.MessageError(
                     f"message 'hello': bad field 'info': {protocol.clip(str(exc))}"
                 ) from None
+            self._peer_connections[peer] = self._peer_connections.get(peer, 0) + 1
             async with send_lock:
                 await self.gate.send(
                     stream, {"op": "hello", "info": self.engine.local_info().hex(), "profile": mine}
@@ -181,6 +202,18 @@ class PrefillNode:
             log.exception("connection from %s closed after an error", where)
             reason = f"{type(exc).__name__}: {protocol.clip(str(exc))}"
             await self._last_word(stream, send_lock, {"op": "error", "reason": reason})
+        finally:
+            if peer is not None:
+                self._forget(peer)
+
+    def _forget(self, peer: str) -> None:
+        """Drop the engine's binding of `peer` once no control connection of it is left: a
+        decode node that comes back says hello again, and its name is free for nobody else."""
+        left = self._peer_connections.pop(peer, 1) - 1
+        if left > 0:
+            self._peer_connections[peer] = left
+        else:
+            self.engine.remove_peer(peer)
 
     async def _last_word(self, stream: trio.SocketStream, lock: trio.Lock, msg: dict) -> None:
         with trio.move_on_after(self.gate.limits.frame_timeout_s):
@@ -259,6 +292,11 @@ class PrefillNode:
             start, end = protocol.field(msg, "start", int), protocol.field(msg, "end", int)
             dst = protocol.int_list(msg, "dst")
             page = self.layout.page_size
+            if len(tokens) > self.gate.limits.max_tokens:
+                raise protocol.MessageError(
+                    f"message 'kv': {len(tokens)} tokens is over this node's limit of "
+                    f"{self.gate.limits.max_tokens} (--max-tokens)"
+                )
             if not (tokens and 0 <= start <= end <= len(tokens) and start % page == 0):
                 raise ValueError(f"bad range [{start}, {end}) of a {len(tokens)}-token prompt")
             first_page, last_page = start // page, math.ceil(end / page)

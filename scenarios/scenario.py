@@ -267,6 +267,8 @@ class CacheSpec:
     load_batches_in_flight: int = 3
     decode_reserve_tokens: int = 512
     transfer_retries: int = 2
+    transfer_backoff_s: float = 0.0  # first retry's delay, doubling per retry; 0: retry at once
+    transfer_backoff_max_s: float = 5.0
     retract_policy: str = "newest"
 
     def l2_tokens_for(self, l1_tokens: int) -> int:
@@ -391,6 +393,8 @@ _SECTIONS: dict[str, tuple[type, dict[str, Check]]] = {
             "load_batches_in_flight": _integer(1),
             "decode_reserve_tokens": _integer(0),
             "transfer_retries": _integer(0),
+            "transfer_backoff_s": _number(0),
+            "transfer_backoff_max_s": _number(0),
             "retract_policy": _one_of(RETRACT_POLICIES, "policy"),
         },
     ),

@@ -35,3 +35,8 @@ def _profile_name() -> str:
 
 
 settings.load_profile(_profile_name())
+
+# Nodes and engines the tests start prove to each other that they hold the cluster secret
+# (`runtime/cluster_secret.py`); one for the whole run keeps them from creating the default
+# file under the user's home. Tests of the other sources set or clear it themselves.
+os.environ.setdefault("HICACHE_CLUSTER_SECRET", "hicache-tests-" + os.urandom(8).hex())

@@ -150,7 +150,10 @@ class World:
     def _on_set_timer(self, c: cmd.SetTimer) -> None:
         self.log.append(c)
         self._new_id(c.timer)
-        assert c.kind is cmd.TimerKind.PREFETCH_TIMEOUT and c.op in self.prefetches, c
+        if c.kind is cmd.TimerKind.TRANSFER_RETRY:  # `op`: the id its retry's RequestKV will carry
+            assert c.op not in self.ids, c
+        else:
+            assert c.kind is cmd.TimerKind.PREFETCH_TIMEOUT and c.op in self.prefetches, c
         self.timers[c.timer] = c.at
 
     def _on_agree(self, c: cmd.Agree) -> None:
@@ -330,20 +333,23 @@ class World:
     def abort(self, rid: str) -> None:
         self.feed(ev.AbortRequested(self.now, rid, "client went away"))
 
+    def complete_reads(self) -> bool:
+        """Answer every storage query, and complete every prefetch and load-back, in op order;
+        whether there was any."""
+        any_ = bool(self.queries or self.prefetches or self.loads)
+        for op in sorted(self.queries):
+            self.answer_query(op)
+        for op in sorted(self.prefetches):
+            self.prefetch_done(op)
+        for op in sorted(self.loads):
+            self.load_done(op)
+        return any_
+
     def settle(self, max_rounds: int = 1000) -> None:
         """Complete every outstanding operation (in op order) and tick until nothing is left:
         running requests finish, so the node must come to rest."""
         for _ in range(max_rounds):
-            progressed = False
-            for op in sorted(self.queries):
-                self.answer_query(op)
-                progressed = True
-            for op in sorted(self.prefetches):
-                self.prefetch_done(op)
-                progressed = True
-            for op in sorted(self.loads):
-                self.load_done(op)
-                progressed = True
+            progressed = self.complete_reads()
             for tid in sorted(self.transfers):
                 self.kv_arrive(tid)
                 progressed = True

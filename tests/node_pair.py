@@ -4,6 +4,10 @@ harness of the runtime tests that inject faults or stall a transfer."""
 from __future__ import annotations
 
 import contextlib
+import functools
+import json
+import socket
+import struct
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -15,8 +19,9 @@ import trio
 
 from hicache.core.config import DecodeConfig
 from hicache.faults import FaultSpec
-from hicache.runtime import protocol
+from hicache.runtime import peer_auth, protocol
 from hicache.runtime.client import DecodeClient
+from hicache.runtime.cluster_secret import ClusterSecret
 from hicache.runtime.decode_node import DecodeService
 from hicache.runtime.model import TinyConfig, TinyModel
 from hicache.runtime.nodes import layout_for
@@ -34,6 +39,7 @@ class NodePair:
     client: DecodeClient
     ledger: KVLedger
     prefill: PrefillNode
+    prefill_port: int
 
 
 GUARD_S = 20  # a guard against hangs, never a speed assertion
@@ -92,7 +98,7 @@ async def node_pair(
         port = await nursery.start(service.run, 0, prefill_at)
         client = await DecodeClient.connect("127.0.0.1", port)
         try:
-            yield NodePair(service, client, KVLedger(model, PAGE), prefill)
+            yield NodePair(service, client, KVLedger(model, PAGE), prefill, prefill_at[1])
         finally:
             await client.aclose()
             nursery.cancel_scope.cancel()
@@ -120,17 +126,73 @@ def prompt(seed: int, n: int = 96) -> list[int]:
     return np.random.default_rng(seed).integers(0, 512, n).tolist()
 
 
-async def exchange(port: int, data: bytes, *, close: bool = True) -> list[dict[str, Any]]:
-    """Send raw bytes, half-close (unless `close` is False), and read every reply until the
-    node hangs up."""
+async def authenticated(
+    port: int, secret: ClusterSecret | None
+) -> tuple[trio.SocketStream, protocol.FrameReader]:
+    """A connection to a node's control port, past the cluster-secret handshake when `secret`
+    is given (a prefill node acts on nothing else before it)."""
     stream = await trio.open_tcp_stream("127.0.0.1", port)
+    reader = protocol.FrameReader(stream, max_binary=0)
+    if secret is not None:
+
+        async def hear() -> dict[str, Any]:
+            return (await reader.receive())[0]
+
+        with trio.fail_after(GUARD_S):
+            await peer_auth.initiate(secret, functools.partial(protocol.send, stream), hear, "the node")
+    return stream, reader
+
+
+async def stand_in_hello(stream: trio.SocketStream, reader: protocol.FrameReader) -> dict[str, Any]:
+    """What a stand-in prefill node does first: the handshake as the acceptor (with the test
+    run's cluster secret), then it reads the decode node's hello and returns it."""
+
+    async def hear() -> dict[str, Any]:
+        return (await reader.receive())[0]
+
+    await peer_auth.accept(
+        ClusterSecret.load(), functools.partial(protocol.send, stream), hear, "the decode node"
+    )
+    return await hear()
+
+
+def authenticated_socket(port: int, secret: ClusterSecret) -> socket.socket:
+    """`authenticated` for plain blocking sockets (a node running in another thread)."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=GUARD_S)
+    msg, expected = peer_auth.answer(secret, _read_frame(sock), "the node")
+    sock.sendall(protocol.encode(msg))
+    peer_auth.check_proof(expected, _read_frame(sock), "the node")
+    return sock
+
+
+def _read_frame(sock: socket.socket) -> dict[str, Any]:
+    def exactly(n: int) -> bytes:
+        out = b""
+        while len(out) < n:
+            chunk = sock.recv(n - len(out))
+            if not chunk:
+                raise EOFError("the node closed the connection")
+            out += chunk
+        return out
+
+    _, _, n_json, n_bin = struct.unpack("<4sBIQ", exactly(protocol.HEADER_SIZE))
+    obj = json.loads(exactly(n_json))
+    exactly(n_bin)
+    return obj
+
+
+async def exchange(
+    port: int, data: bytes, *, close: bool = True, secret: ClusterSecret | None = None
+) -> list[dict[str, Any]]:
+    """Send raw bytes (after the handshake when `secret` is given), half-close (unless `close`
+    is False), and read every reply until the node hangs up."""
+    stream, reader = await authenticated(port, secret)
     replies = []
     async with stream:
         with contextlib.suppress(trio.BrokenResourceError):
             await stream.send_all(data)
             if close:
                 await stream.send_eof()
-        reader = protocol.FrameReader(stream, max_binary=0)
         with trio.fail_after(GUARD_S):
             while True:
                 try:

@@ -101,6 +101,10 @@ BAD = [
     (PREFILL, "--idle-timeout", "inf"),
     (["node", "decode", "--engine", "tcp"], "--prefill", "localhost:0"),
     (["node", "decode", "--engine", "tcp"], "--prefill", "localhost:70000"),
+    (DECODE, "--max-tokens", "0"),
+    (DECODE, "--transfer-retries", "-1"),
+    (DECODE, "--transfer-backoff", "-0.5"),
+    (DECODE, "--transfer-backoff-max", "nan"),
     (["run", "SCENARIO", "--runtime"], "--limit", "-3"),
     (["run", "SCENARIO", "--runtime"], "--time-scale", "-1"),
     (["run", "SCENARIO", "--runtime"], "--time-scale", "nan"),
@@ -258,3 +262,66 @@ def test_the_limit_flags_reach_the_nodes() -> None:
     limits = _limits(args)
     assert (limits.max_connections, limits.frame_bytes_in_flight) == (3, 4096)
     assert (limits.frame_timeout_s, limits.idle_timeout_s) == (2.5, 9.0)
+
+
+def test_the_limit_flags_reach_the_nodes_max_tokens_and_backoff_too() -> None:
+    from hicache.cli import _decode_config, _limits, build_parser
+
+    args = build_parser().parse_args(
+        [*DECODE, "--max-tokens", "77", "--transfer-retries", "3", "--transfer-backoff", "0.5"]
+        + ["--transfer-backoff-max", "2"]
+    )
+    assert _limits(args).max_tokens == 77
+    cfg = _decode_config(args)
+    assert (cfg.transfer_retries, cfg.transfer_backoff_s, cfg.transfer_backoff_max_s) == (3, 0.5, 2.0)
+
+
+def test_a_decode_node_needs_exactly_one_way_to_find_its_prefill(tmp_path: Path) -> None:
+    neither = hicache("node", "decode", "--engine", "tcp")
+    both = hicache(*DECODE, "--prefill-file", str(tmp_path / "f"))
+    for done in (neither, both):
+        assert done.returncode == 2
+    assert "one of the arguments --prefill --prefill-file is required" in neither.stderr
+    assert "--prefill-file: not allowed with argument --prefill" in both.stderr
+
+
+def test_an_unusable_secret_or_key_file_is_one_line_naming_it(tmp_path: Path) -> None:
+    secret = tmp_path / "secret"
+    secret.write_text("s3cret-s3cret")
+    secret.chmod(0o644)
+    done = hicache(*PREFILL, "--secret-file", str(secret))
+    assert done.returncode == 2, done.stderr
+    line = one_line(done.stderr)
+    assert f"--secret-file {secret}" in line and "lets others read or change it" in line
+    keys = tmp_path / "keys.toml"
+    keys.write_text('[[key]]\nkey = "short"\ntenant = "a"\n')
+    with prefill_node(*PREFILL) as (_, port):
+        done = hicache(
+            "node", "decode", "--engine", "tcp", "--prefill", f"127.0.0.1:{port}", "--api-keys", str(keys)
+        )
+    assert done.returncode == 2, done.stderr
+    line = one_line(done.stderr)
+    assert f"--api-keys {keys}: [[key]] #1: field 'key' must be a string of at least 16" in line
+
+
+def test_nodes_with_different_secrets_refuse_each_other_at_connect(tmp_path: Path) -> None:
+    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
+    for path, text in ((ours, "ours-ours-ours"), (theirs, "theirs-theirs")):
+        path.write_text(text)
+        path.chmod(0o600)
+    with prefill_node(*PREFILL, "--secret-file", str(ours)) as (prefill, port):
+        done = hicache(
+            "node",
+            "decode",
+            "--engine",
+            "tcp",
+            "--prefill",
+            f"127.0.0.1:{port}",
+            "--secret-file",
+            str(theirs),
+        )
+    assert done.returncode == 2, done.stderr
+    line = one_line(done.stderr)
+    assert f"--prefill 127.0.0.1:{port}" in line and "cluster secret" in line
+    assert "does not hold this node's cluster secret" in one_line(prefill.stderr_text)
+    assert prefill.returncode == 0

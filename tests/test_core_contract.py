@@ -3,7 +3,10 @@ stop rule, and a run that the log of its events alone replays (`hicache/core/eve
 
 from __future__ import annotations
 
+import itertools
+import re
 import typing
+from pathlib import Path
 
 import pytest
 from builders import decode_config, prompt
@@ -14,7 +17,7 @@ from hicache.core import events as ev
 from hicache.core.config import PrefetchPolicy
 from hicache.core.decode_node import DecodeNodeCore
 from hicache.core.errors import TransitionError
-from hicache.core.lifecycles import LOAD, PREFETCH, TRANSFER
+from hicache.core.lifecycles import LOAD, PREFETCH, TRANSFER, Step
 from hicache.core.prefetch_rule import prefetch_should_stop
 
 
@@ -106,3 +109,23 @@ def test_every_event_is_either_shared_by_all_ranks_or_rank_local() -> None:
     events = set(typing.get_args(ev.Event))
     assert set(ev.SHARED) | set(ev.RANK_LOCAL) == events
     assert not set(ev.SHARED) & set(ev.RANK_LOCAL)
+
+
+def test_the_docs_transfer_lifecycle_table_is_the_code() -> None:
+    """docs/architecture.md shows `TRANSFER` as a table (phase by trigger); it must say what
+    the code does, cell by cell (a cell's first `name` is the next phase; — : refused)."""
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "architecture.md").read_text(encoding="utf-8")
+    header = "| phase | `TimerFired` | `KVArrived` | `KVFailed` | `KVAbandoned` | `orphan` |"
+    assert header in doc
+    triggers = [ev.TimerFired, ev.KVArrived, ev.KVFailed, ev.KVAbandoned, Step.ORPHAN]
+    lines = doc[doc.index(header) :].splitlines()[2:]
+    rows = {}
+    for line in itertools.takewhile(lambda x: x.strip().startswith("|"), lines):
+        phase, *cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        rows[phase.strip("`")] = [re.match(r"`(\w+)`", c).group(1) if c != "—" else None for c in cells]
+    want = {
+        phase.value: [nxt.value if (nxt := moves.get(t)) else None for t in triggers]
+        for phase, moves in TRANSFER.items()
+        if moves
+    }
+    assert rows == want

@@ -3,7 +3,7 @@
 Random interleavings of arrivals (multi-turn: shared prefixes, earlier conversations' prompt +
 output, random suffixes), ticks, storage answers (full and capped), prefetch progress and ends
 (complete, partial, zero), load-backs (ok and failed), prefill transfers (arrived, failed,
-abandoned while still writing),
+abandoned while still writing; retries sent at once or after a backoff timer),
 backups, stores, timers, decode growth (retraction under pressure), finishes, aborts at any
 phase, and a shared L3 that other nodes fill and evict. Tiny pools, every policy combination.
 
@@ -32,9 +32,11 @@ from hicache.core import commands as cmd
 from hicache.core import events as ev
 from hicache.core.config import PREFETCH_POLICIES, PROMISE_POLICIES, RETRACT_POLICIES, DecodeConfig
 from hicache.core.eviction import EVICTION_POLICIES
+from hicache.core.lifecycles import TransferPhase
 from hicache.core.states import State
 from hicache.core.write_policy import WritePolicy
 
+WAITING = TransferPhase.WAITING  # a transfer retry backing off
 OUTCOME = {State.FINISHED: "finished", State.ABORTED: "aborted", State.FAILED: "failed"}
 ADMITTED = (
     State.QUERYING,
@@ -81,6 +83,9 @@ def configs(draw: st.DrawFn) -> DecodeConfig:
         load_batches_in_flight=draw(st.integers(1, 3)),
         decode_reserve_tokens=draw(st.integers(0, 2 * page)),
         transfer_retries=draw(st.integers(0, 2)),
+        # A retry backs off (its timer fires through `fire_timer` and `advance`), or not.
+        transfer_backoff_s=draw(st.sampled_from([0.0, 0.0, 0.002, 1.0]), label="transfer_backoff_s"),
+        transfer_backoff_max_s=draw(st.sampled_from([5.0, 0.003]), label="transfer_backoff_max_s"),
         retract_policy=draw(st.sampled_from(RETRACT_POLICIES)),
         max_running=draw(st.sampled_from([0, 0, 1, 2]), label="max_running"),  # 0: no batch limit
         **estimates,
@@ -312,6 +317,7 @@ class DecodeNodeMachine(RuleBasedStateMachine):
             "prefetching": live & {p.req for p in w.prefetches.values()},
             "loading": live & {rid for c in w.loads.values() for rid in c.reqs},
             "transferring": live & {c.req for c in w.transfers.values()},
+            "backing off": live & {t.req for t in self.core._transfers.values() if t.phase is WAITING},
             "any": set(self.rids),
         }
         group = data.draw(st.sampled_from([k for k, v in groups.items() if v]), label="group")
@@ -516,6 +522,8 @@ class DecodeNodeMachine(RuleBasedStateMachine):
             assert all(host(h) == "tree" for h in c.host_slots), c
         elif isinstance(c, cmd.StartDecode):
             self._check_start(c.req)
+        elif isinstance(c, cmd.SetTimer) and c.kind is cmd.TimerKind.TRANSFER_RETRY:
+            event("a transfer retry backs off")
         elif isinstance(c, cmd.Respond) and c.outcome == "failed":
             event(f"failed: {'too large' if 'needs' in c.reason else 'transfer'}")
 
@@ -616,12 +624,7 @@ def _serve(w: World, rid: str, tokens: list[int]) -> None:
     """Arrive, restore and transfer everything, decode a little, finish; back the pages up."""
     w.arrive(rid, tokens)
     while not w.core.requests[rid].state.terminal:
-        for op in sorted(w.queries):
-            w.answer_query(op)
-        for op in sorted(w.prefetches):
-            w.prefetch_done(op)
-        for op in sorted(w.loads):
-            w.load_done(op)
+        w.complete_reads()
         for tid in sorted(w.transfers):
             w.kv_arrive(tid)
         if w.core.requests[rid].state is State.RUNNING:

@@ -36,7 +36,8 @@ import pytest
 import trio
 import trio.testing
 from hypothesis import HealthCheck, Phase, event, example, given, settings
-from node_pair import exchange
+from node_pair import exchange, stand_in_hello
+from transfer_peer import recv_exactly, wire_accept
 
 from hicache.core.config import DecodeConfig
 from hicache.runtime import protocol
@@ -527,7 +528,7 @@ async def decode_node() -> AsyncIterator[int]:
 
         async def hello(stream: trio.SocketStream) -> None:
             reader = protocol.FrameReader(stream, max_binary=0)
-            msg, _ = await reader.receive()
+            msg = await stand_in_hello(stream, reader)
             await prefill.add_peer(bytes.fromhex(msg["info"]))
             hello = {"op": "hello", "info": prefill.local_info().hex(), "profile": msg.get("profile")}
             await protocol.send(stream, hello)
@@ -598,9 +599,10 @@ PAGES, PAGE_BYTES = 8, 256
 
 @st.composite
 def target_replies(draw: st.DrawFn) -> tuple[str, int, bytes, dict[str, Any]]:
-    """A transfer and what a hostile target answers: its HELLO answer, then its answer to the
-    request, with up to two fields replaced (a wrong type, transfer id, magic, version, count,
-    page size, notification length, a short payload), each maybe cut short by a hang-up."""
+    """A transfer and what a hostile target answers: its HELLO answer (the valid handshake, or
+    one with a wrong proof, or anything else), then its answer to the request, with up to two
+    fields replaced (a wrong type, transfer id, magic, version, count, page size, notification
+    length, a short payload), each maybe cut short by a hang-up."""
     op = draw(st.sampled_from(["WRITE", "READ"]))
     pages = draw(st.integers(0, 4))
     fields = ("hello", "type", "xid", "magic", "version", "name", "count", "page_bytes", "notif_len", "tail")
@@ -628,8 +630,15 @@ def target_replies(draw: st.DrawFn) -> tuple[str, int, bytes, dict[str, Any]]:
         notif_len=pick("notif_len", 0, st.sampled_from([3, 2**16 + 1, 2**32 - 1])),
         tail=pick("tail", pages * PAGE_BYTES if reads else 0, st.integers(0, 4 * PAGE_BYTES + 8)),
     )
-    hello = pick("hello", encode_header(Msg.HELLO_ACK, 0, b"fake"), st.binary(max_size=40) | some_header)
+    wrong_proof = st.builds(
+        lambda proof: encode_header(Msg.HELLO_ACK, 0, b"fake", notif_len=48) + proof,
+        st.binary(min_size=48, max_size=48),
+    )
+    hello = pick("hello", VALID_HELLO, st.binary(max_size=40) | some_header | wrong_proof)
     return op, pages, hello, answer
+
+
+VALID_HELLO = b"the valid handshake"  # the target answers HELLO as a real engine would
 
 
 @fuzz(80)
@@ -644,10 +653,13 @@ async def test_tcp_initiator_survives_any_answer_from_its_target(
 
     async def target(stream: trio.SocketStream) -> None:
         with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, EOFError):
-            head = await recv_exactly(stream, HEADER.size)
-            await recv_exactly(stream, struct.unpack("<4sBBHQIQI", head)[3])
-            await stream.send_all(hello)
-            if hello != encode_header(Msg.HELLO_ACK, 0, b"fake"):
+            if hello == VALID_HELLO:
+                assert await wire_accept(stream, b"fake") == b"init"
+            else:
+                head = await recv_exactly(stream, HEADER.size)
+                _, _, _, name_len, _, _, _, notif_len = HEADER.unpack(head)
+                await recv_exactly(stream, name_len + notif_len)
+                await stream.send_all(hello)
                 await stream.send_eof()  # said its piece: a silent peer is only bounded by `wait`
             _, _, mtype, name_len, xid, count, _, notif_len = HEADER.unpack(
                 await recv_exactly(stream, HEADER.size)
@@ -689,7 +701,7 @@ async def test_tcp_initiator_survives_any_answer_from_its_target(
         else:
             sizes = f["count"] in ("right", pages) and f["page_bytes"] == "right"
             answer_ok = header_ok and f["type"] == Msg.READ_DATA and sizes and f["tail"] >= pages * PAGE_BYTES
-        valid = hello == encode_header(Msg.HELLO_ACK, 0, b"fake") and answer_ok
+        valid = hello == VALID_HELLO and answer_ok
         if valid:
             assert state is XferState.DONE, engine.reason(handle)
         else:
@@ -703,21 +715,12 @@ async def test_tcp_initiator_survives_any_answer_from_its_target(
         dst = np.zeros((PAGES, PAGE_BYTES), dtype=np.uint8)
         real.register("pool", dst)
         await engine.add_peer(real.local_info())
+        await real.add_peer(engine.local_info())
         ok = await engine.post("WRITE", region, [0, 1], "real", "pool", [5, 6], b"ok")
         with trio.fail_after(GUARD_S):
             assert await engine.wait(ok, timeout=GUARD_S) is XferState.DONE
         assert np.array_equal(dst[[5, 6]], local[[0, 1]])
         nursery.cancel_scope.cancel()
-
-
-async def recv_exactly(stream: trio.SocketStream, n: int) -> bytes:
-    buf = b""
-    while len(buf) < n:
-        chunk = await stream.receive_some(min(n - len(buf), 1 << 16))
-        if not chunk:
-            raise EOFError(f"closed after {len(buf)} of {n} bytes")
-        buf += chunk
-    return buf
 
 
 # ============================================================================ file store keys

@@ -30,11 +30,23 @@ import pytest
 import trio
 import trio.testing
 from hypothesis import HealthCheck, Phase, event, given, settings
-from node_pair import GUARD_S, PAGE, assert_nothing_held, exchange, prompt, small_core, turn
+from node_pair import (
+    GUARD_S,
+    PAGE,
+    assert_nothing_held,
+    authenticated,
+    authenticated_socket,
+    exchange,
+    prompt,
+    small_core,
+    stand_in_hello,
+    turn,
+)
 
 from hicache.core.config import DecodeConfig
 from hicache.runtime import compat, protocol
 from hicache.runtime.client import DecodeClient
+from hicache.runtime.cluster_secret import ClusterSecret
 from hicache.runtime.decode_node import DecodeService
 from hicache.runtime.limits import Gate, Limits
 from hicache.runtime.model import TinyConfig, TinyModel
@@ -165,8 +177,9 @@ async def test_one_bad_frame_ends_only_its_connection(
     caplog.set_level(logging.INFO)
     async with nodes() as n:
         await n.verified()
+        secret = n.prefill.secret if node == "prefill" else None  # past the handshake
         for data, named in fatal_cases(node, which, n.hello()):
-            replies = await exchange(n.port(node), data)
+            replies = await exchange(n.port(node), data, secret=secret)
             assert replies and replies[-1]["op"] == "error", replies
             reason = replies[-1]["reason"]
             assert named in reason, reason
@@ -189,6 +202,7 @@ async def test_one_bad_frame_ends_only_its_connection(
         ({"max_new": 10**4000}, "field 'max_new' must be in 1.."),
         ({"max_new": 2.0}, "field 'max_new' has the wrong type (float), expected int"),
         ({"verify": "yes"}, "field 'verify' has the wrong type (str), expected bool"),
+        ({"max_new": 32768 - 95}, "96 prompt tokens + max_new 32673 is over this node's limit of 32768"),
     ],
 )
 async def test_a_bad_field_is_answered_and_the_connection_goes_on(fields: dict[str, Any], named: str) -> None:
@@ -199,12 +213,24 @@ async def test_a_bad_field_is_answered_and_the_connection_goes_on(fields: dict[s
         await n.verified()  # on the same connection
 
 
+async def test_a_prompt_over_prefills_token_limit_fails_its_request_only() -> None:
+    """Prefill bounds the tokens of one request (its compute grows with them): a longer prompt is
+    answered with the reason, which ends that request; the next one is served."""
+    async with nodes(prefill_limits=Limits(max_tokens=100)) as n:
+        with trio.fail_after(GUARD_S):
+            reply, _ = await n.client.generate("long", prompt(9, 101), 1)
+        assert (
+            reply["outcome"] == "failed" and "101 tokens is over this node's limit of 100" in reply["reason"]
+        )
+        await n.verified()  # 96 tokens
+
+
 async def test_a_bad_kv_field_is_answered_by_prefill() -> None:
     async with nodes() as n:
         kv = {"op": "kv", "tid": 7, "tokens": "x", "start": 0, "end": 0, "dst": []}
-        async with await trio.open_tcp_stream("127.0.0.1", n.prefill_port) as stream:
+        stream, reader = await authenticated(n.prefill_port, n.prefill.secret)
+        async with stream:
             await stream.send_all(n.hello() + protocol.encode(kv) + protocol.encode({**kv, "tid": 8}))
-            reader = protocol.FrameReader(stream)
             with trio.fail_after(GUARD_S):
                 replies = [(await reader.receive())[0] for _ in range(3)]  # the connection stays up
         assert replies[0]["op"] == "hello"
@@ -239,7 +265,7 @@ async def test_a_decode_node_survives_a_hostile_prefill(case: str) -> None:
         async def hostile(stream: trio.SocketStream) -> None:
             reader = protocol.FrameReader(stream, max_binary=0)
             with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, EOFError):
-                msg, _ = await reader.receive()
+                msg = await stand_in_hello(stream, reader)
                 peer = await fake.add_peer(bytes.fromhex(msg["info"]))
                 hello = {"op": "hello", "info": fake.local_info().hex(), "profile": msg.get("profile")}
                 await protocol.send(stream, hello)
@@ -632,7 +658,9 @@ def test_any_frames_leave_live_nodes_serving(live: NodesInThread, data: st.DataO
     stream = n.hello() if hello else b""
     for raw, _ in batch:
         stream += raw
-    replies = talk(n.port(node), stream)
+    # After the handshake when a hello comes first; else the first frame is read as the answer
+    # to the node's challenge (its reply to `challenge` is in `replies`).
+    replies = talk(n.port(node), stream, n.prefill.secret if hello else None)
     assert all(isinstance(r.get("op"), str) for r in replies), replies
     if node == "decode":
         answered = len(batch) if broken is None else broken + 1
@@ -652,9 +680,13 @@ def test_any_frames_leave_live_nodes_serving(live: NodesInThread, data: st.DataO
     assert rss() - live.base_rss < 256 * MiB
 
 
-def talk(port: int, data: bytes) -> list[dict[str, Any]]:
+def talk(port: int, data: bytes, secret: ClusterSecret | None = None) -> list[dict[str, Any]]:
     """Plain sockets (the nodes live in another thread): send, half-close, read to the end."""
-    with socket.create_connection(("127.0.0.1", port), timeout=GUARD_S) as sock:
+    if secret is not None:
+        sock = authenticated_socket(port, secret)
+    else:
+        sock = socket.create_connection(("127.0.0.1", port), timeout=GUARD_S)
+    with sock:
         # The node may have closed already (a refused frame): a broken pipe, a reset, or a
         # half-close of a connection that is gone (ENOTCONN). Its replies are read below.
         with contextlib.suppress(OSError):

@@ -419,6 +419,8 @@ FIELDS: dict[str, Spec] = {
     "cache.load_batches_in_flight": COUNT,
     "cache.decode_reserve_tokens": SIZE,
     "cache.transfer_retries": SIZE,
+    "cache.transfer_backoff_s": numbers(0),
+    "cache.transfer_backoff_max_s": numbers(0),
     "cache.retract_policy": choice(RETRACT_POLICIES),
     "run.baselines": BASELINE_LISTS,
     "run.until": numbers(0),

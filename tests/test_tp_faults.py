@@ -109,6 +109,7 @@ def schedules(draw: st.DrawFn, *, local_load_faults: bool) -> dict[str, Any]:
         policy=draw(st.sampled_from(["best_effort", "wait_complete", "timeout"]), label="policy"),
         promise=draw(st.sampled_from(["eager", "confirmed"]), label="promise"),
         timer_at=draw(st.none() | st.integers(0, 10), label="timer_at"),
+        backoff=draw(st.sampled_from([0.0, 0.001]), label="transfer_backoff_s"),  # retries wait a timer
         l1=draw(st.integers(16, 64), label="l1"),
         # Steps at which the collectives opened so far are answered (they always are at the
         # end): a collective may take a while, during which no second one of its kind opens.
@@ -118,7 +119,13 @@ def schedules(draw: st.DrawFn, *, local_load_faults: bool) -> dict[str, Any]:
 
 def run_schedule(s: dict[str, Any]) -> Lockstep:
     plans: list[Plan] = s["plans"]
-    cfg = config(s["ranks"], prefetch_policy=s["policy"], promise=s["promise"], l1_pages=s["l1"])
+    cfg = config(
+        s["ranks"],
+        prefetch_policy=s["policy"],
+        promise=s["promise"],
+        l1_pages=s["l1"],
+        transfer_backoff_s=s["backoff"],
+    )
     r = Lockstep(cfg)
     prompts: dict[str, list[int]] = {}
     prev: list[int] = []

@@ -29,7 +29,7 @@ from builders import examples
 from engine_kinds import ENGINES
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from transfer_peer import digest, initial_pages
+from transfer_peer import digest, initial_pages, wire_accept, wire_initiate
 
 from hicache.runtime.transfer import (
     MAX_NOTIF_BYTES,
@@ -198,6 +198,22 @@ async def test_invalid_requests_raise_value_error_naming_the_numbers(kind: str) 
         assert w.b.notifs() == []
 
 
+@pytest.mark.parametrize("kind", ENGINES)
+async def test_a_removed_peer_is_forgotten_and_can_be_added_again(kind: str) -> None:
+    async with linked(kind) as w:
+        w.a.remove_peer("nobody")  # an unknown name: nothing happens
+        w.a.remove_peer("b")
+        with pytest.raises(ValueError, match="unknown peer 'b'"):
+            await w.a.post("WRITE", w.ra, [0], "b", "pool", [0], b"gone")
+        assert await w.a.add_peer(w.b.local_info()) == "b"
+        w.pa[0] = 5
+        handle = await w.a.post("WRITE", w.ra, [0], "b", "pool", [3], b"back")
+        assert await w.a.wait(handle, timeout=GUARD_S) is XferState.DONE, w.a.reason(handle)
+        with trio.fail_after(GUARD_S):
+            assert await w.b.next_notif() == ("a", b"back")
+        assert torch.equal(w.pb[3], w.pa[0])
+
+
 def test_nixl_engine_without_nixl_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "nixl", None)
     monkeypatch.setitem(sys.modules, "nixl._api", None)
@@ -344,6 +360,7 @@ async def test_tcp_peer_killed_mid_write_gives_err() -> None:
     ):
         region = engine.register("src", src)
         await engine.add_peer(peer.info)
+        assert await peer.ask("ADD " + engine.local_info().hex(), "PEER") == "initiator"
         warm = await engine.post("WRITE", region, [0], "victim", "pool", [0])
         assert await engine.wait(warm, timeout=GUARD_S) is XferState.DONE
         os.kill(peer.proc.pid, signal.SIGSTOP)
@@ -394,9 +411,8 @@ async def read_frame(stream: trio.SocketStream) -> tuple[int, int, bytes, int, i
 
 
 async def handshake(stream: trio.SocketStream) -> None:
-    mtype, *_ = await read_frame(stream)
-    assert mtype == Msg.HELLO
-    await stream.send_all(encode_header(Msg.HELLO_ACK, 0, b"fake"))
+    """The fake target's side of the handshake (it holds the cluster secret)."""
+    assert await wire_accept(stream, b"fake") == b"me"
 
 
 @pytest.mark.parametrize("op", ["WRITE", "READ"])
@@ -508,6 +524,7 @@ async def test_tcp_refusal_reason_reaches_an_initiator_that_is_still_sending() -
         t.register("pool", np.zeros((4, page_bytes), np.uint8))
         fields = PeerInfo.decode(t.local_info()).fields
         await i.add_peer(PeerInfo("tcp", "t", fields, (MemoryRegion("pool", 0, page_bytes, 16),)).encode())
+        await t.add_peer(i.local_info())
         region = i.register("src", np.ones((8, page_bytes), np.uint8))
         h = await i.post("WRITE", region, range(8), "t", "pool", range(8, 16), b"x")
         assert await i.wait(h, timeout=GUARD_S) is XferState.ERR
@@ -526,22 +543,27 @@ class Outcome:
     error: str
 
 
+# How the target knows the hand-written peer "raw" (which never listens: it only connects).
+RAW_INFO = PeerInfo("tcp", "raw", {"host": b"127.0.0.1", "port": (9).to_bytes(2, "little")}, ()).encode()
+
+
 @contextlib.asynccontextmanager
 async def target() -> AsyncIterator[tuple[TcpEngine, np.ndarray]]:
     pool = initial_pages(3, PAGES, PAGE_BYTES)
     async with TcpEngine(name="target") as engine:
         engine.register("pool", pool)
+        await engine.add_peer(RAW_INFO)
         yield engine, pool
 
 
 async def send_raw(engine: TcpEngine, payload: bytes, *, hello: bool = True) -> Outcome:
-    """Send `payload` (after a HELLO unless told otherwise), half-close, and read until EOF."""
+    """Send `payload` (after the handshake as peer "raw" unless told otherwise), half-close, and
+    read until EOF."""
     stream = await trio.open_tcp_stream("127.0.0.1", engine.port)
     replies, error = [], ""
     try:
         if hello:
-            await stream.send_all(encode_header(Msg.HELLO, 0, b"raw"))
-            assert (await read_frame(stream))[0] == Msg.HELLO_ACK
+            await wire_initiate(stream, b"raw")
         with contextlib.suppress(trio.BrokenResourceError):
             await stream.send_all(payload)
             stream.socket.shutdown(socket.SHUT_WR)
@@ -588,7 +610,8 @@ MALFORMED: dict[str, tuple[bytes, str]] = {
         encode_header(Msg.WRITE, 1, b"pool", 2, PAGE_BYTES) + struct.pack("<2I", 4, 4),
         "destination pages repeat",
     ),
-    "hello twice": (encode_header(Msg.HELLO, 0, b"again"), "expected WRITE or READ"),
+    "hello twice": (encode_header(Msg.HELLO, 0, b"raw", notif_len=16) + b"n" * 16, "expected WRITE or READ"),
+    "auth twice": (encode_header(Msg.AUTH, 0, notif_len=32) + b"p" * 32, "expected WRITE or READ"),
     "ack sent to the target": (encode_header(Msg.ACK, 1), "expected WRITE or READ"),
 }
 

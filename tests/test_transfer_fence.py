@@ -21,9 +21,10 @@ import torch
 import trio
 from engine_kinds import ENGINES
 from node_pair import assert_nothing_held, node_pair, prompt, turn
+from transfer_peer import wire_initiate
 
 from hicache.runtime.prefill_node import PrefillNode
-from hicache.runtime.transfer import NixlEngine, TcpEngine, TransferEngine, XferState
+from hicache.runtime.transfer import NixlEngine, PeerInfo, TcpEngine, TransferEngine, XferState
 from hicache.runtime.transfer.tcp import HEADER, Msg, encode_header
 
 PAGES, PAGE_BYTES = 8, 64 * 1024
@@ -61,10 +62,12 @@ async def test_tcp_fence_cuts_off_a_write_that_is_landing() -> None:
     data = rng.integers(1, 256, (4, PAGE_BYTES), dtype=np.uint8)
     dst = [5, 1, 6, 2]
     async with tcp_target() as (engine, pool):
+        # The target knows "prefill" (as its control connection would have introduced it).
+        fields = {"host": b"127.0.0.1", "port": (9).to_bytes(2, "little")}
+        await engine.add_peer(PeerInfo("tcp", "prefill", fields, ()).encode())
         stream = await trio.open_tcp_stream("127.0.0.1", engine.port)
         with trio.fail_after(GUARD_S):
-            await stream.send_all(encode_header(Msg.HELLO, 0, b"prefill"))
-            assert (await read_reply(stream))[0] == Msg.HELLO_ACK
+            await wire_initiate(stream, b"prefill")
             head = encode_header(Msg.WRITE, 1, b"pool", len(dst), PAGE_BYTES, len(b"kv:7"))
             await stream.send_all(head + struct.pack(f"<{len(dst)}I", *dst) + b"kv:7")
             # The first page and a half: the WRITE is landing when the target gives up on it.

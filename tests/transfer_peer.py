@@ -13,7 +13,12 @@ the seed is negative), prints
 
 Replies start with "@" so that anything else a library prints on stdout is ignored. The process
 ends with `os._exit`, since NIXL/UCX can crash in library teardown at interpreter exit on some
-hosts after the work itself succeeded.
+hosts after the work itself succeeded. The peer serves only engines it was told about with ADD,
+and proves (as they must) that it holds the cluster secret of the environment
+(HICACHE_CLUSTER_SECRET, which the tests set).
+
+It also holds the tests' hand-written side of the TCP engine's handshake (`wire_hello`,
+`wire_initiate`, `wire_accept`), for tests that speak the wire format themselves.
 """
 
 from __future__ import annotations
@@ -22,9 +27,13 @@ import argparse
 import hashlib
 import os
 import sys
+from typing import TYPE_CHECKING
 
 import numpy as np
 import trio
+
+if TYPE_CHECKING:
+    from hicache.runtime.cluster_secret import ClusterSecret
 
 
 def initial_pages(seed: int, num_pages: int, page_bytes: int) -> np.ndarray:
@@ -40,6 +49,91 @@ def digest(page: np.ndarray) -> str:
 def reply(line: str) -> None:
     sys.stdout.write("@" + line + "\n")
     sys.stdout.flush()
+
+
+async def recv_exactly(stream: trio.abc.ReceiveStream, n: int) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        chunk = await stream.receive_some(min(n - len(buf), 1 << 16))
+        if not chunk:
+            raise EOFError(f"closed after {len(buf)} of {n} bytes")
+        buf += chunk
+    return buf
+
+
+async def wire_hello(
+    stream: trio.abc.Stream, name: bytes, secret: ClusterSecret | None = None
+) -> tuple[tuple[bytes, bytes, bytes, bytes], bool]:
+    """Say HELLO as engine `name` and read the HELLO_ACK (an ERROR raises `ConnectionRefusedError`
+    with its text). Returns the proof parts `(nonce_i, nonce_t, name, target)` and whether the
+    target's proof is right for `secret` (default: the environment's)."""
+    from hicache.runtime.cluster_secret import ClusterSecret
+    from hicache.runtime.transfer.tcp import (
+        ACCEPTOR_PURPOSE,
+        HEADER,
+        NONCE_BYTES,
+        Msg,
+        encode_header,
+        handshake_proof,
+    )
+
+    secret = secret if secret is not None else ClusterSecret.load()
+    nonce_i = os.urandom(NONCE_BYTES)
+    await stream.send_all(encode_header(Msg.HELLO, 0, name, notif_len=NONCE_BYTES) + nonce_i)
+    _, _, mtype, name_len, _, _, _, notif_len = HEADER.unpack(await recv_exactly(stream, HEADER.size))
+    body = await recv_exactly(stream, name_len + notif_len)
+    if mtype == Msg.ERROR:
+        raise ConnectionRefusedError(body[name_len:].decode(errors="replace"))
+    if mtype != Msg.HELLO_ACK:
+        raise AssertionError(f"expected HELLO_ACK, got message type {mtype}")
+    target, rest = body[:name_len], body[name_len:]
+    nonce_t, proof = rest[:NONCE_BYTES], rest[NONCE_BYTES:]
+    parts = (nonce_i, nonce_t, name, target)
+    return parts, proof == handshake_proof(secret, ACCEPTOR_PURPOSE, *parts)
+
+
+async def wire_initiate(stream: trio.abc.Stream, name: bytes, secret: ClusterSecret | None = None) -> bytes:
+    """The initiator's side of the handshake by hand, as engine `name`: HELLO, check HELLO_ACK,
+    AUTH. Returns the AUTH proof it sent."""
+    from hicache.runtime.cluster_secret import ClusterSecret
+    from hicache.runtime.transfer.tcp import INITIATOR_PURPOSE, MAC_BYTES, Msg, encode_header, handshake_proof
+
+    secret = secret if secret is not None else ClusterSecret.load()
+    parts, ok = await wire_hello(stream, name, secret)
+    if not ok:
+        raise AssertionError(f"target {parts[3]!r} sent a wrong proof in HELLO_ACK")
+    auth = handshake_proof(secret, INITIATOR_PURPOSE, *parts)
+    await stream.send_all(encode_header(Msg.AUTH, 0, notif_len=MAC_BYTES) + auth)
+    return auth
+
+
+async def wire_accept(stream: trio.abc.Stream, name: bytes, secret: ClusterSecret | None = None) -> bytes:
+    """The target's side of the handshake by hand, as engine `name`: read HELLO, answer HELLO_ACK,
+    check AUTH. Returns the initiator's name."""
+    from hicache.runtime.cluster_secret import ClusterSecret
+    from hicache.runtime.transfer.tcp import (
+        ACCEPTOR_PURPOSE,
+        HEADER,
+        INITIATOR_PURPOSE,
+        MAC_BYTES,
+        NONCE_BYTES,
+        Msg,
+        encode_header,
+        handshake_proof,
+    )
+
+    secret = secret if secret is not None else ClusterSecret.load()
+    _, _, mtype, name_len, _, _, _, notif_len = HEADER.unpack(await recv_exactly(stream, HEADER.size))
+    assert (mtype, notif_len) == (Msg.HELLO, NONCE_BYTES), (mtype, notif_len)
+    body = await recv_exactly(stream, name_len + notif_len)
+    peer, nonce_i, nonce_t = body[:name_len], body[name_len:], os.urandom(NONCE_BYTES)
+    parts = (nonce_i, nonce_t, peer, name)
+    ack = encode_header(Msg.HELLO_ACK, 0, name, notif_len=NONCE_BYTES + MAC_BYTES)
+    await stream.send_all(ack + nonce_t + handshake_proof(secret, ACCEPTOR_PURPOSE, *parts))
+    _, _, mtype, name_len, _, _, _, notif_len = HEADER.unpack(await recv_exactly(stream, HEADER.size))
+    assert (mtype, name_len, notif_len) == (Msg.AUTH, 0, MAC_BYTES), (mtype, name_len, notif_len)
+    assert await recv_exactly(stream, MAC_BYTES) == handshake_proof(secret, INITIATOR_PURPOSE, *parts)
+    return peer
 
 
 async def lines(stream: trio.abc.ReceiveStream):  # noqa: ANN201 - async generator of str

@@ -30,6 +30,7 @@ class TimerKind(enum.StrEnum):
     """What a timer times."""
 
     PREFETCH_TIMEOUT = "prefetch_timeout"  # the `timeout` prefetch policy's deadline for one prefetch
+    TRANSFER_RETRY = "transfer_retry"  # the end of a failed transfer's backoff; `op`: its retry's id
 
 
 class AgreeKind(enum.StrEnum):
@@ -156,8 +157,9 @@ class RequestKV:
 @attrs.frozen(slots=True)
 class SetTimer:
     """Fire `TimerFired(timer)` at time `at` (or as soon after as the driver can). `kind` says
-    what it times and `op` the operation it concerns. Never cancelled: a timer that fires late
-    or after its operation ended is absorbed by the core."""
+    what it times and `op` the operation it concerns (for `TRANSFER_RETRY`, the id the retry's
+    `RequestKV` will carry). Never cancelled: a timer that fires late or after its
+    operation ended is absorbed by the core."""
 
     timer: int
     at: float

@@ -65,6 +65,19 @@ def _at_least(low: float):
     return check
 
 
+def _finite_at_least(low: float):
+    def check(inst: object, attribute: attrs.Attribute, value: float) -> None:
+        if (
+            not isinstance(value, int | float)
+            or isinstance(value, bool)
+            or not math.isfinite(value)
+            or not value >= low
+        ):
+            raise ValueError(f"{attribute.name}: expected a finite number >= {low}, got {value!r}")
+
+    return check
+
+
 @attrs.frozen(slots=True)
 class DecodeConfig:
     """Everything the decode-node core decides with. Sizes are in pages unless named tokens."""
@@ -88,6 +101,10 @@ class DecodeConfig:
     load_batches_in_flight: int = attrs.field(default=3, validator=_at_least(1))
     decode_reserve_tokens: int = attrs.field(default=512, validator=_at_least(0))
     transfer_retries: int = attrs.field(default=2, validator=_at_least(0))
+    # Seconds before the first retry of a failed transfer, doubling per retry up to the cap and
+    # scaled by a deterministic jitter in [0.5, 1) (`hicache.core.backoff`); 0: retry at once.
+    transfer_backoff_s: float = attrs.field(default=0.0, validator=_finite_at_least(0))
+    transfer_backoff_max_s: float = attrs.field(default=5.0, validator=_finite_at_least(0))
     retract_policy: RetractPolicy = _policy(RetractPolicy, "retract_policy", RetractPolicy.NEWEST)
     # Requests in the decode batch at once (0: no limit). A request whose KV is complete waits
     # in READY, holding its L1 pages, until the batch has room.

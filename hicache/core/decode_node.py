@@ -22,7 +22,12 @@ load-backs L2->L1) and *transfer* (the increment from prefill, `RequestKV`). The
 decides how much of the match to restore rather than receive. A restore that falls short (a
 prefetch stopped by its policy, a failed page) is trimmed and the missing range asked of prefill
 (`fallback`): no request fails because of a cache fault. Only a prefill transfer that fails
-after its retries, or is abandoned, or an abort, ends a request unsuccessfully.
+after its retries, or is abandoned, or an abort, ends a request unsuccessfully. A retry backs off
+first (`transfer_backoff_s`, doubling per retry up to `transfer_backoff_max_s`, scaled by a jitter
+hashed from request and attempt, `backoff`): it waits as a transfer not yet sent (phase WAITING,
+its slots still the request's) until its `TRANSFER_RETRY` timer fires, and is dropped unsent if
+the request ends first; so a restarting prefill is not hit by every retry at once, and TP ranks
+fed the same events wait alike.
 
 When both tracks are done the request is READY; it starts (`StartDecode`) once the decode batch
 has room (`max_running`). While it runs, `Decoded` grows its pages (`ExtendKV`), evicting cache
@@ -53,6 +58,7 @@ import attrs
 
 from hicache.core import commands as cmd
 from hicache.core import events as ev
+from hicache.core.backoff import retry_delay
 from hicache.core.commands import AgreeKind, Outcome, TimerKind
 from hicache.core.config import DecodeConfig, PromisePolicy, RetractPolicy
 from hicache.core.errors import CoreError, TransitionError
@@ -96,7 +102,7 @@ class NodeStats:
     prefetches: int = 0
     load_batches: int = 0
     max_loads_in_flight: int = 0
-    transfer_retries: int = 0
+    transfer_retries: int = 0  # retries decided (one still backing off when its request ends counts)
     transfers_abandoned: int = 0
     bad_l2_pages: int = 0  # L2 pages a load-back found bad (dropped from the tree with those below)
 
@@ -194,7 +200,7 @@ class DecodeNodeCore:
         self._load_queue: list[_LoadEntry] = []
         self._loads: dict[int, _Load] = {}
         self._transfers: dict[int, _Transfer] = {}
-        self._timers: dict[int, int] = {}  # timer -> the prefetch it times
+        self._timers: dict[int, tuple[TimerKind, int]] = {}  # timer -> (kind, the op it times)
         self._agreements: dict[int, tuple[AgreeKind, Callable[[dict], None], frozenset]] = {}
         self._agreeing: set[AgreeKind] = set()
         self._ready: deque[str] = deque()  # READY requests waiting for room in the batch
@@ -507,7 +513,7 @@ class DecodeNodeCore:
             self._emit(cmd.Prefetch(op, r.id, tuple(r.keys[first : first + l3]), tuple(host)))
             if cfg.prefetch_policy == "timeout":
                 timer = next(self._ids)
-                self._timers[timer] = op
+                self._timers[timer] = (TimerKind.PREFETCH_TIMEOUT, op)
                 at = self.now + cfg.prefetch_timeout(l3 * page)
                 self._emit(cmd.SetTimer(timer, at, TimerKind.PREFETCH_TIMEOUT, op))
         if not (cfg.promise is PromisePolicy.CONFIRMED and l3):
@@ -518,15 +524,28 @@ class DecodeNodeCore:
         self._request_kv(r, pages * self.cfg.page_size, r.prompt_len, fallback=False)
 
     def _request_kv(self, r: Request, start: int, end: int, *, fallback: bool, attempt: int = 0) -> None:
-        page = self.cfg.page_size
-        tid = next(self._ids)
-        dst = r.slots[start // page : math.ceil(end / page)]
-        self._transfers[tid] = _Transfer(tid, r.id, start, end, dst, attempt, fallback)
-        r.transfers.add(tid)
+        t = self._new_transfer(r, start, end, fallback, attempt, TransferPhase.ACTIVE)
         if fallback and attempt == 0:
             r.account = r.account.add(fallback=end - start)
             self.stats.fallback_tokens += end - start
-        self._emit(cmd.RequestKV(tid, r.id, start, end, tuple(dst), r.prompt_len, fallback, attempt))
+        self._send(r, t)
+
+    def _new_transfer(
+        self, r: Request, start: int, end: int, fallback: bool, attempt: int, phase: TransferPhase
+    ) -> _Transfer:
+        """A transfer of tokens [start, end) of `r` into its own slots, which it waits on."""
+        page = self.cfg.page_size
+        tid = next(self._ids)
+        dst = r.slots[start // page : math.ceil(end / page)]
+        t = _Transfer(tid, r.id, start, end, dst, attempt, fallback, phase)
+        self._transfers[tid] = t
+        r.transfers.add(tid)
+        return t
+
+    def _send(self, r: Request, t: _Transfer) -> None:
+        self._emit(
+            cmd.RequestKV(t.tid, r.id, t.start, t.end, tuple(t.dst), r.prompt_len, t.fallback, t.attempt)
+        )
 
     # ------------------------------------------------------------------ restore track
 
@@ -550,13 +569,24 @@ class DecodeNodeCore:
         p.progress = max(p.progress, min(e.pages, p.planned))
 
     def _on_timer(self, e: ev.TimerFired) -> None:
-        op = self._timers.pop(e.timer, None)
-        if op is None:
+        entry = self._timers.get(e.timer)
+        if entry is None:
             raise CoreError(f"TimerFired: no timer #{e.timer} is set")
-        p = self._prefetches.get(op)
-        if p is not None:  # else the prefetch ended before its deadline
-            p.move(ev.TimerFired)
-            p.timed_out = True
+        kind, op = entry
+        if kind is TimerKind.TRANSFER_RETRY:
+            t = self._transfers.get(op)
+            if t is not None:  # else its request ended during the backoff: dropped unsent
+                phase = t.next_phase(ev.TimerFired)
+                del self._timers[e.timer]
+                t.phase = phase
+                self._send(self.requests[t.req], t)
+                return
+        else:
+            p = self._prefetches.get(op)
+            if p is not None:  # else the prefetch ended before its deadline
+                p.move(ev.TimerFired)
+                p.timed_out = True
+        del self._timers[e.timer]
 
     def _on_prefetch_agreed(self, values: dict) -> None:
         for p in list(self._prefetches.values()):
@@ -743,7 +773,17 @@ class DecodeNodeCore:
         if retry:
             self._move(r, ev.KVFailed)  # QUERYING or RESTORING: retried
             self.stats.transfer_retries += 1
-            self._request_kv(r, t.start, t.end, fallback=t.fallback, attempt=t.attempt + 1)
+            attempt = t.attempt + 1
+            cfg = self.cfg
+            delay = retry_delay(cfg.transfer_backoff_s, cfg.transfer_backoff_max_s, r.id, attempt)
+            if delay <= 0:
+                self._request_kv(r, t.start, t.end, fallback=t.fallback, attempt=attempt)
+                return
+            # Back off: the retry waits, unsent, on the same slots until its timer fires.
+            later = self._new_transfer(r, t.start, t.end, t.fallback, attempt, TransferPhase.WAITING)
+            timer = next(self._ids)
+            self._timers[timer] = (TimerKind.TRANSFER_RETRY, later.tid)
+            self._emit(cmd.SetTimer(timer, self.now + delay, TimerKind.TRANSFER_RETRY, later.tid))
             return
         self._end(
             r,
@@ -945,6 +985,9 @@ class DecodeNodeCore:
         for tid in sorted(r.transfers):
             t = self._transfers[tid]
             t.phase = t.next_phase(Step.ORPHAN)
+            if t.phase is TransferPhase.ENDED:  # a retry still backing off: never sent, dropped
+                del self._transfers[tid]
+                continue
             t.claims = self._claim(self.device_pool, t.dst, r, ("xfer", tid))
         r.transfers = set()
         kept = []
@@ -1099,6 +1142,7 @@ class DecodeNodeCore:
         limit = self.cfg.max_running
         if limit and len(self._running) > limit:
             raise CoreError(f"{len(self._running)} requests running, the batch holds {limit}")
+        self._check_transfers()
         head = self.queue[0] if self.queue else None
         for r in self.requests.values():
             if (r.state is State.RUNNING) != (r.id in self._running):
@@ -1109,6 +1153,26 @@ class DecodeNodeCore:
                 held = (r.lock, r.pin, r.slots, r.prefetch_slots, r.transfers, r.reserve, r.loads)
                 if any(held):
                     raise CoreError(f"request {r.id!r} is {r.state.value} but still holds {held!r}")
+
+    def _check_transfers(self) -> None:
+        """A live request waits on each of its transfers (sent, or a retry backing off); a
+        retry backing off has its timer set and its slots still the request's own."""
+        waiting_on = {op for kind, op in self._timers.values() if kind is TimerKind.TRANSFER_RETRY}
+        for r in self.requests.values():
+            for tid in r.transfers:
+                t = self._transfers.get(tid)
+                if t is None or t.req != r.id or t.phase not in (TransferPhase.ACTIVE, TransferPhase.WAITING):
+                    raise CoreError(f"request {r.id!r} waits on transfer #{tid}, which is not its own")
+        for t in self._transfers.values():
+            if t.phase is not TransferPhase.WAITING:
+                continue
+            r = self.requests.get(t.req)
+            if r is None or t.tid not in r.transfers:
+                raise CoreError(f"transfer #{t.tid} backs off for {t.req!r}, which does not wait on it")
+            if t.tid not in waiting_on:
+                raise CoreError(f"transfer #{t.tid} of {t.req!r} backs off with no timer set")
+            if t.claims or any(self.device_pool.owner_of(s) != r.owner for s in t.dst):
+                raise CoreError(f"transfer #{t.tid} of {t.req!r} backs off but its slots left the request")
 
 
 def _plain(x: object) -> object:

@@ -73,10 +73,13 @@ PREFETCH: dict[PrefetchPhase, dict[type | Step, PrefetchPhase]] = {
 
 
 class TransferPhase(enum.Enum):
-    """ACTIVE: the request waits on it. ORPHANED: the request ended; the transfer keeps its
-    destination slots claimed until its outcome. ABANDONED: the driver gave up without being able
-    to stop it; likewise until its real outcome. ENDED: its outcome is in."""
+    """WAITING: a retry of a failed transfer, backing off; not sent yet, so nothing can write
+    its slots (they stay the request's), and its timer's `TimerFired` sends it. ACTIVE: sent;
+    the request waits on it. ORPHANED: the request ended; the transfer keeps its destination
+    slots claimed until its outcome. ABANDONED: the driver gave up without being able to stop
+    it; likewise until its real outcome. ENDED: its outcome is in, or it was dropped unsent."""
 
+    WAITING = "waiting"
     ACTIVE = "active"
     ORPHANED = "orphaned"
     ABANDONED = "abandoned"
@@ -85,6 +88,10 @@ class TransferPhase(enum.Enum):
 
 T = TransferPhase
 TRANSFER: dict[TransferPhase, dict[type | Step, TransferPhase]] = {
+    T.WAITING: {
+        ev.TimerFired: T.ACTIVE,  # its backoff is over: the retry is sent
+        Step.ORPHAN: T.ENDED,  # the request ended first: dropped unsent, nothing to claim
+    },
     T.ACTIVE: {
         ev.KVArrived: T.ENDED,
         ev.KVFailed: T.ENDED,

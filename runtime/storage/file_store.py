@@ -56,6 +56,7 @@ import attrs
 import numpy as np
 import trio
 
+from hicache.runtime.cluster_secret import SECRET_ENV, UntrustedSecret, ensure_secret_file
 from hicache.runtime.kv_layout import KVLayout
 from hicache.runtime.kv_pool import KVPool, PageIndices
 from hicache.runtime.storage.base import Progress, StoreStats, check_batch, key_values
@@ -69,13 +70,11 @@ _SIGNED = struct.Struct("<8sHHIQ5I16sQ28x")  # the header fields the MAC follows
 HEADER = struct.Struct(_SIGNED.format + f"{MAC_SIZE}s")
 HEADER_SIZE = HEADER.size
 SUFFIX = ".kvpage"
-SECRET_ENV = "HICACHE_CLUSTER_SECRET"
 KEY_FILE = ".hicache-secret"
 _FANOUT = re.compile(r"[0-9a-f]{2}")
 _TEMP = re.compile(r"\.[0-9a-f]{16}\.([0-9a-f]{8})\.([0-9]{1,10})\.[0-9a-f]{12}\.tmp")
 _KEY_PERSON = b"hicache-l3-key"
 _PAGE_PERSON = b"hicache-l3-page"
-_MAX_SECRET = 4096
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # O_NONBLOCK: a FIFO planted as a page file must not block the worker thread in open().
@@ -149,50 +148,6 @@ def _pid_alive(pid: int) -> bool:
             return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
     except (OSError, IndexError):
         return True
-
-
-class _Untrusted(Exception):
-    """A key file that someone other than this user could have written or read."""
-
-
-def _read_key_file(path: Path) -> bytes:
-    fd = os.open(path, _READ_FLAGS)
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise _Untrusted("not a regular file")
-        if st.st_uid != os.geteuid():
-            raise _Untrusted(f"owned by uid {st.st_uid}, not by this process's uid {os.geteuid()}")
-        if st.st_mode & 0o077:
-            raise _Untrusted(f"mode {stat.S_IMODE(st.st_mode):04o} lets others read or change it (need 0600)")
-        data = os.read(fd, _MAX_SECRET + 1).strip()
-    finally:
-        os.close(fd)
-    if not data or len(data) > _MAX_SECRET:
-        raise _Untrusted(f"holds {len(data)} bytes, expected 1 to {_MAX_SECRET}")
-    return data
-
-
-def _key_file_secret(root: Path) -> bytes:
-    """The secret in `root/KEY_FILE`, created (random, mode 0600) by the first store there."""
-    path = root / KEY_FILE
-    with contextlib.suppress(FileNotFoundError):
-        return _read_key_file(path)
-    tmp = root / f"{KEY_FILE}.{os.getpid()}.{secrets.token_hex(6)}.tmp"
-    fd = os.open(tmp, _CREATE_FLAGS, 0o600)
-    try:
-        try:
-            os.fchmod(fd, 0o600)
-            _write_all(fd, secrets.token_hex(32).encode() + b"\n")
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        with contextlib.suppress(FileExistsError):  # another store was first: use its secret
-            os.link(tmp, path)  # never replaces: every store on the root ends with the same file
-    finally:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-    return _read_key_file(path)
 
 
 def _describe(exc: OSError) -> str:
@@ -279,8 +234,8 @@ class FileStore:
             return mac_key(env.encode()), SECRET_ENV
         path = self.root / KEY_FILE
         try:
-            return mac_key(_key_file_secret(self.root)), str(path)
-        except (OSError, _Untrusted) as exc:
+            return mac_key(ensure_secret_file(path)), str(path)
+        except (OSError, UntrustedSecret) as exc:
             reason = _describe(exc) if isinstance(exc, OSError) else str(exc)
             logger.warning(
                 "FileStore %s: key file %s not used: %s; this store signs with a key of its own, so "

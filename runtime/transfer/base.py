@@ -448,6 +448,10 @@ class TransferEngine(Protocol):
     and the target's `fence(notif)` returns True once no more of a WRITE carrying `notif` can
     land, or False if the target cannot stop writes by itself (one-sided RDMA: only the
     initiator's `settle` stops them).
+
+    `add_peer(info)` introduces a peer (its name, address and regions): only then may transfers
+    be posted to it, and (TCP) may it connect. `remove_peer(name)` forgets it again (an unknown
+    name is a no-op), e.g. once the control connection that introduced it has ended.
     """
 
     @property
@@ -466,6 +470,8 @@ class TransferEngine(Protocol):
     def local_info(self) -> bytes: ...
 
     async def add_peer(self, info: bytes) -> str: ...
+
+    def remove_peer(self, name: str) -> None: ...
 
     async def post(
         self,

@@ -104,8 +104,6 @@ class NixlEngine:
 
     kind = "nixl"  # how peers name this engine (`hicache.runtime.compat`)
 
-    kind = "nixl"
-
     def __init__(
         self,
         name: str,
@@ -268,7 +266,9 @@ class NixlEngine:
         return PeerInfo(self.kind, self._name, {"nixl_md": bytes(metadata)}, regions).encode()
 
     async def add_peer(self, info: bytes) -> str:
-        """Load a peer's NIXL metadata and prepare its regions' descriptors; again to update."""
+        """Load a peer's NIXL metadata and prepare its regions' descriptors. Adding a known peer
+        again with the same metadata updates its regions; with other metadata (another agent
+        claiming the name) it raises `ValueError`: a known engine name cannot be rebound."""
         peer = PeerInfo.decode(info)
         if peer.kind != self.kind:
             raise ValueError(
@@ -276,9 +276,31 @@ class NixlEngine:
             )
         if "nixl_md" not in peer.fields:
             raise ValueError(f"peer info of {peer.name!r}: missing field 'nixl_md'")
+        old = self._peers.get(peer.name)
+        if old is not None and old.info.fields["nixl_md"] != peer.fields["nixl_md"]:
+            raise ValueError(
+                f"{self._name}: engine name {peer.name!r} is already bound to other NIXL metadata; "
+                "refusing to rebind it (a known engine name cannot be rebound)"
+            )
         prepped = await trio.to_thread.run_sync(self._add_peer_sync, peer, limiter=self._limiter)
         self._peers[peer.name] = _Peer(peer, prepped)
         return peer.name
+
+    def remove_peer(self, name: str) -> None:
+        """Forget peer `name` (an unknown name is a no-op): release its prepared descriptors and
+        unload its NIXL metadata; posting to it raises until it is added again. Failures are
+        logged, as in teardown."""
+        peer = self._peers.pop(name, None)
+        if peer is None:
+            return
+        with self._lock:
+            steps = [("release remote descriptors", h.release) for h in peer.prepped.values()]
+            steps.append(("remove peer", lambda: self._agent.remove_remote_agent(name)))
+            for what, step in steps:
+                try:
+                    step()
+                except Exception as e:  # noqa: BLE001 - the peer is forgotten either way
+                    log.warning("%s: %s %r failed: %r", self._name, what, name, e)
 
     def _add_peer_sync(self, peer: PeerInfo) -> dict[str, Any]:
         with self._lock:

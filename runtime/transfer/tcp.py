@@ -13,20 +13,43 @@ Wire format. Every message starts with a fixed 32-byte little-endian header
 followed by `name` (name_len bytes), then, for WRITE and READ, `count` page indices (u32 each),
 then `notif` (notif_len bytes), then, for WRITE and READ_DATA, `count * page_bytes` page bytes.
 
-- A connection opens with HELLO (name = the initiator's engine name), answered by HELLO_ACK
-  (name = the target's engine name).
+- A connection opens with a mutual challenge–response over the cluster secret
+  (`runtime/cluster_secret.py`), all of it within the handshake timeout on both sides:
+
+      initiator -> HELLO      name = name_i, notif = nonce_i (16 bytes)
+      target    -> HELLO_ACK  name = name_t, notif = nonce_t (16 bytes) | MAC(acceptor, ...)
+      initiator -> AUTH       notif = MAC(initiator, ...)
+
+  where both MACs are `secret.mac(role, nonce_i, nonce_t, name_i, name_t)` with the role in
+  the personalisation (`b"hicache-kv-acc"`, `b"hicache-kv-init"`), and both nonces fresh per
+  connection. The initiator checks the target's MAC before it sends AUTH (a wrong one ends the
+  transfer `ERR`: the peer does not hold the cluster secret); the target checks AUTH with
+  `hmac.compare_digest` before it reads any request. HELLO, HELLO_ACK and AUTH carry notif
+  fields of exactly 16, 48 and 32 bytes, and AUTH no name.
 - WRITE (name = target region, indices = target pages) carries the pages; the target writes them
   into its region, queues the notification, then answers ACK.
 - READ (name = source region, indices = source pages) is answered by READ_DATA with the pages in
   the requested order; once it has them all, the initiator sends READ_DONE and the target queues
   the notification.
-- Anything the target rejects (bad magic or version, unknown type or region, page_bytes that
-  differ from the region's, more pages than the region has, an index out of range, a repeated
-  destination page, a name or notification over its limit) is answered by ERROR (the message in
-  the notif field) and the connection is closed. Every length is checked against its limit before
-  anything is allocated or read, so a frame can never make the target allocate more than 4 bytes
-  per page of the region it addresses (the indices) plus `MAX_NOTIF_BYTES`; pages are received
-  straight into the region.
+- Anything the target rejects (bad magic or version, unknown type or region, a HELLO from an
+  engine it does not know, a wrong or missing AUTH, page_bytes that differ from the region's,
+  more pages than the region has, an index out of range, a repeated destination page, a name or
+  notification over its limit) is answered by ERROR (the message in the notif field) and the
+  connection is closed. Every length is checked against its limit before anything is allocated
+  or read, so a frame can never make the target allocate more than 4 bytes per page of the
+  region it addresses (the indices) plus `MAX_NOTIF_BYTES`; pages are received straight into
+  the region.
+
+Peers. An engine serves only the peers it was told about with `add_peer` — a node adds the peer
+its authenticated control connection introduced, and `remove_peer`s it once that connection has
+ended (which also cuts off the peer's connections into this engine). A connection must name
+such a peer in its HELLO and then prove, by AUTH, that it holds the cluster secret; the engine
+proves the same in its HELLO_ACK, so an initiator never sends pages to, or takes pages from, an
+impostor listening on a peer's address. Proofs cover both fresh nonces, so a recorded AUTH
+answers no later connection, and the role, so a proof reflected back is wrong. A known engine
+name cannot be rebound: `add_peer` with the same name and another host:port raises
+`ValueError` (the same address again updates the peer's regions), or a stranger who reached a
+node's control port with a known name could divert that peer's pages to itself.
 
 A connection carries one transfer at a time. Each peer gets up to `streams_per_peer` connections,
 opened on demand and kept for reuse; concurrent transfers to one peer use different connections.
@@ -50,6 +73,8 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import hmac
+import secrets
 import select
 import struct
 import uuid
@@ -61,6 +86,7 @@ import attrs
 import numpy as np
 import trio
 
+from hicache.runtime.cluster_secret import ClusterSecret
 from hicache.runtime.transfer.base import (
     MAX_NAME_BYTES,
     MAX_NOTIF_BYTES,
@@ -81,13 +107,18 @@ if TYPE_CHECKING:
     import torch
 
 MAGIC = b"HCKV"
-VERSION = 1
+VERSION = 2  # 2: the handshake proves the cluster secret (HELLO nonce, HELLO_ACK proof, AUTH)
 HEADER = struct.Struct("<4sBBHQIQI")
 INDEX_DTYPE = np.dtype("<u4")
 # Buffers per sendmsg/recvmsg_into call (Linux IOV_MAX is 1024).
 IOV_BATCH = 256
 # How long the target tries to deliver an ERROR before it closes the connection anyway.
 ERROR_SEND_S = 1.0
+NONCE_BYTES = 16
+MAC_BYTES = 32
+# BLAKE2b personalisations: a proof made in one role is never valid in the other.
+INITIATOR_PURPOSE = b"hicache-kv-init"
+ACCEPTOR_PURPOSE = b"hicache-kv-acc"
 
 
 class Msg(enum.IntEnum):
@@ -99,9 +130,24 @@ class Msg(enum.IntEnum):
     READ_DATA = 6
     READ_DONE = 7
     ERROR = 8
+    AUTH = 9
 
 
 PAGE_MSGS = frozenset({Msg.WRITE, Msg.READ, Msg.READ_DATA})
+# The handshake messages' notif fields: exactly this many bytes (nonces and proofs).
+HANDSHAKE_NOTIF = {
+    Msg.HELLO: NONCE_BYTES,
+    Msg.HELLO_ACK: NONCE_BYTES + MAC_BYTES,
+    Msg.AUTH: MAC_BYTES,
+}
+
+
+def handshake_proof(
+    secret: ClusterSecret, purpose: bytes, nonce_i: bytes, nonce_t: bytes, name_i: bytes, name_t: bytes
+) -> bytes:
+    """The MAC one side of a connection sends: `purpose` is `ACCEPTOR_PURPOSE` in HELLO_ACK and
+    `INITIATOR_PURPOSE` in AUTH; the parts are the initiator's and the target's nonces and names."""
+    return secret.mac(purpose, nonce_i, nonce_t, name_i, name_t)
 
 
 class ProtocolError(Exception):
@@ -221,7 +267,12 @@ class Conn:
             raise ProtocolError(f"{t.name}: notif of {notif_len} bytes, at most {MAX_NOTIF_BYTES}")
         if t not in PAGE_MSGS and (count or page_bytes):
             raise ProtocolError(f"{t.name}: carries no pages, got count={count} page_bytes={page_bytes}")
-        if t not in (Msg.WRITE, Msg.READ, Msg.ERROR) and notif_len:
+        if t in HANDSHAKE_NOTIF:
+            if notif_len != HANDSHAKE_NOTIF[t]:
+                raise ProtocolError(f"{t.name}: notif of {notif_len} bytes, expected {HANDSHAKE_NOTIF[t]}")
+            if t is Msg.AUTH and name_len:
+                raise ProtocolError(f"AUTH: carries no name, got name_len={name_len}")
+        elif t not in (Msg.WRITE, Msg.READ, Msg.ERROR) and notif_len:
             raise ProtocolError(f"{t.name}: carries no notif, got notif_len={notif_len}")
         name = bytes(await self.recv_exactly(name_len))
         return Frame(t, xid, name, count, page_bytes, notif_len)
@@ -269,14 +320,16 @@ class TcpEngine:
     transfer in flight with `ERR`, closes all connections and makes `next_notif()` raise
     `trio.EndOfChannel` once the queued notifications are read.
 
-    Opening a connection (connect, HELLO, HELLO_ACK) must finish within `handshake_timeout_s`,
-    on both sides: a peer that accepts but never answers fails the transfer with `ERR`, and a
-    connection that never says HELLO is dropped. Transfers themselves have no deadline here.
+    Opening a connection (connect, HELLO, HELLO_ACK, AUTH) must finish within
+    `handshake_timeout_s`, on both sides: a peer that accepts but never answers fails the
+    transfer with `ERR`, and a connection that does not complete its handshake is dropped.
+    Transfers themselves have no deadline here.
+
+    `secret` is the cluster secret both ends of every connection prove they hold (None:
+    `ClusterSecret.load()`, now). Only peers known through `add_peer` may connect (module notes).
     """
 
     kind = "tcp"  # how peers name this engine (`hicache.runtime.compat`)
-
-    kind = "tcp"
 
     def __init__(
         self,
@@ -286,6 +339,7 @@ class TcpEngine:
         name: str | None = None,
         streams_per_peer: int = 4,
         handshake_timeout_s: float = 5.0,
+        secret: ClusterSecret | None = None,
     ) -> None:
         if streams_per_peer < 1:
             raise ValueError(f"streams_per_peer: expected >= 1, got {streams_per_peer}")
@@ -295,12 +349,15 @@ class TcpEngine:
         self._name = name if name is not None else f"tcp-{uuid.uuid4().hex[:12]}"
         if not self._name or len(self._name.encode("utf-8")) > MAX_NAME_BYTES:
             raise ValueError(f"name: expected 1..{MAX_NAME_BYTES} UTF-8 bytes, got {self._name!r}")
+        self._name_b = self._name.encode("utf-8")
+        self._secret = secret if secret is not None else ClusterSecret.load()
         self._host = host
         self._port_wanted = port
         self._port: int | None = None
         self._streams_per_peer = streams_per_peer
         self._regions: dict[str, _Region] = {}
         self._peers: dict[str, _Peer] = {}
+        self._inbound: dict[str, set[trio.CancelScope]] = {}  # peer -> its served connections
         self._book = XferBook(self._name)
         self._scopes: dict[int, trio.CancelScope] = {}
         self._runs: dict[int, trio.Event] = {}  # xid -> set when its task has stopped sending
@@ -394,7 +451,9 @@ class TcpEngine:
         return PeerInfo(self.kind, self._name, fields, regions).encode()
 
     async def add_peer(self, info: bytes) -> str:
-        """Learn a peer from its `local_info()`; adding a known peer again updates it."""
+        """Learn a peer from its `local_info()`: from now on it may connect here, and transfers may
+        be posted to it. Adding a known peer again with the same host:port updates its regions;
+        with another one it raises `ValueError` (a known engine name cannot be rebound)."""
         peer = PeerInfo.decode(info)
         if peer.kind != self.kind:
             raise ValueError(
@@ -406,14 +465,29 @@ class TcpEngine:
         except (KeyError, UnicodeDecodeError) as e:
             raise ValueError(f"peer info of {peer.name!r}: missing or bad host/port field ({e})") from None
         old = self._peers.get(peer.name)
-        if old is not None and (old.host, old.port) == (host, port):
+        if old is None:
+            self._peers[peer.name] = _Peer(peer, host, port, trio.Semaphore(self._streams_per_peer))
+        elif (old.host, old.port) == (host, port):
             old.info = peer
         else:
-            if old is not None:
-                for conn in old.idle:
-                    conn.close()
-            self._peers[peer.name] = _Peer(peer, host, port, trio.Semaphore(self._streams_per_peer))
+            raise ValueError(
+                f"{self._name}: engine name {peer.name!r} is already bound to {old.host}:{old.port}; "
+                f"refusing to rebind it to {host}:{port} (a known engine name cannot be rebound)"
+            )
         return peer.name
+
+    def remove_peer(self, name: str) -> None:
+        """Forget peer `name` (an unknown name is a no-op): its idle connections are closed, its
+        connections into this engine are cut off (a WRITE landing from it is discarded, with no
+        notification), and it may not connect again until `add_peer` introduces it anew.
+        Transfers this engine already posted to it run to their end."""
+        peer = self._peers.pop(name, None)
+        if peer is not None:
+            for conn in peer.idle:
+                conn.close()
+            peer.idle.clear()
+        for scope in self._inbound.pop(name, ()):
+            scope.cancel()
 
     # -- transfers -----------------------------------------------------------------------------
 
@@ -522,7 +596,7 @@ class TcpEngine:
                                 await self._read(conn, rec, reg, lp, remote_region, rp, notif)
                             reusable = rec.state is XferState.DONE
                         finally:
-                            if reusable and not self._closed:
+                            if reusable and not self._closed and self._peers.get(peer.info.name) is peer:
                                 peer.idle.append(conn)
                             else:
                                 conn.close()
@@ -551,14 +625,7 @@ class TcpEngine:
         try:
             with trio.fail_after(self._handshake_timeout):
                 conn = Conn(await trio.open_tcp_stream(peer.host, peer.port))
-                await conn.send([encode_header(Msg.HELLO, 0, self._name.encode("utf-8"))])
-                f = await conn.recv_frame()
-                if f.type is Msg.ERROR:
-                    raise ProtocolError(f"HELLO refused: {await _error_text(conn, f)}")
-                if f.type is not Msg.HELLO_ACK or f.name != peer.info.name.encode("utf-8"):
-                    raise ProtocolError(
-                        f"expected HELLO_ACK from {peer.info.name!r}, got {f.type.name} {f.name!r}"
-                    )
+                await self._initiate(conn, peer)
         except BaseException as e:
             if conn is not None:
                 conn.close()
@@ -569,6 +636,28 @@ class TcpEngine:
                 ) from None
             raise
         return conn
+
+    async def _initiate(self, conn: Conn, peer: _Peer) -> None:
+        """HELLO, check the target's proof in HELLO_ACK, then prove this side's in AUTH."""
+        target = peer.info.name.encode("utf-8")
+        nonce_i = secrets.token_bytes(NONCE_BYTES)
+        hello = encode_header(Msg.HELLO, 0, self._name_b, notif_len=NONCE_BYTES)
+        await conn.send([hello, nonce_i])
+        f = await conn.recv_frame()
+        if f.type is Msg.ERROR:
+            raise ProtocolError(f"HELLO refused: {await _error_text(conn, f)}")
+        if f.type is not Msg.HELLO_ACK or f.name != target:
+            raise ProtocolError(f"expected HELLO_ACK from {peer.info.name!r}, got {f.type.name} {f.name!r}")
+        body = bytes(await conn.recv_exactly(f.notif_len))
+        nonce_t, proof = body[:NONCE_BYTES], body[NONCE_BYTES:]
+        parts = (nonce_i, nonce_t, self._name_b, target)
+        if not hmac.compare_digest(proof, handshake_proof(self._secret, ACCEPTOR_PURPOSE, *parts)):
+            raise ProtocolError(
+                f"{peer.info.name!r} at {peer.host}:{peer.port} does not hold the cluster secret "
+                "(wrong proof in HELLO_ACK)"
+            )
+        proof = handshake_proof(self._secret, INITIATOR_PURPOSE, *parts)
+        await conn.send([encode_header(Msg.AUTH, 0, notif_len=MAC_BYTES), proof])
 
     async def _write(
         self,
@@ -631,7 +720,8 @@ class TcpEngine:
     def _check_reply(f: Frame, xid: int, want: Msg) -> None:
         if f.type not in (want, Msg.ERROR):
             raise ProtocolError(f"expected {want.name} or ERROR, got {f.type.name}")
-        if f.xid != xid:
+        # An ERROR for transfer 0 refuses the connection itself (say, an AUTH the target refused).
+        if f.xid != xid and not (f.type is Msg.ERROR and f.xid == 0):
             raise ProtocolError(f"{f.type.name} for transfer {f.xid}, expected {xid}")
 
     # -- target side ---------------------------------------------------------------------------
@@ -639,35 +729,65 @@ class TcpEngine:
     async def _serve(self, stream: trio.SocketStream) -> None:
         conn = Conn(stream)
         xid = 0
+        peer: str | None = None
+        scope = trio.CancelScope()  # `remove_peer` cancels it
         try:
-            f: Frame | None = None
-            with trio.move_on_after(self._handshake_timeout):
-                f = await conn.recv_frame(boundary=True)
-            if f is None:
-                return  # never said HELLO: drop it (the finally clause closes it)
-            if f.type is not Msg.HELLO:
-                raise ProtocolError(f"expected HELLO first, got {f.type.name}")
-            try:
-                peer = f.name.decode("utf-8")
-            except UnicodeDecodeError:
-                raise ProtocolError("HELLO: the engine name is not UTF-8") from None
-            await conn.send([encode_header(Msg.HELLO_ACK, 0, self._name.encode("utf-8"))])
-            while True:
-                f = await conn.recv_frame(boundary=True)
-                xid = f.xid
-                if f.type is Msg.WRITE:
-                    await self._serve_write(conn, peer, f)
-                elif f.type is Msg.READ:
-                    await self._serve_read(conn, peer, f)
-                else:
-                    raise ProtocolError(f"expected WRITE or READ, got {f.type.name}")
+            with trio.move_on_after(self._handshake_timeout) as handshake:
+                peer = await self._accept(conn)
+            if handshake.cancelled_caught:
+                return  # no complete handshake in time: drop it (the finally clause closes it)
+            assert peer is not None
+            self._inbound.setdefault(peer, set()).add(scope)
+            with scope:
+                while True:
+                    f = await conn.recv_frame(boundary=True)
+                    xid = f.xid
+                    if f.type is Msg.WRITE:
+                        await self._serve_write(conn, peer, f)
+                    elif f.type is Msg.READ:
+                        await self._serve_read(conn, peer, f)
+                    else:
+                        raise ProtocolError(f"expected WRITE or READ, got {f.type.name}")
         except ProtocolError as e:
             with trio.move_on_after(ERROR_SEND_S), contextlib.suppress(*_NET_ERRORS):
                 await conn.send_error(xid, str(e))
         except _NET_ERRORS:
             pass  # the initiator went away; a partial WRITE is discarded (no notification)
         finally:
+            served = self._inbound.get(peer) if peer is not None else None
+            if served is not None:
+                served.discard(scope)
+                if not served:
+                    del self._inbound[peer]
             conn.close()
+
+    async def _accept(self, conn: Conn) -> str:
+        """The target's side of the handshake; returns the peer's name once it proved that it
+        holds the cluster secret. Nothing it sends after HELLO is read before that."""
+        f = await conn.recv_frame(boundary=True)
+        if f.type is not Msg.HELLO:
+            raise ProtocolError(f"expected HELLO first, got {f.type.name}")
+        try:
+            peer = f.name.decode("utf-8")
+        except UnicodeDecodeError:
+            raise ProtocolError("HELLO: the engine name is not UTF-8") from None
+        nonce_i = bytes(await conn.recv_exactly(f.notif_len))
+        if peer not in self._peers:
+            raise ProtocolError(f"HELLO from {peer!r}: not a peer {self._name!r} knows")
+        nonce_t = secrets.token_bytes(NONCE_BYTES)
+        parts = (nonce_i, nonce_t, f.name, self._name_b)
+        proof = handshake_proof(self._secret, ACCEPTOR_PURPOSE, *parts)
+        ack = encode_header(Msg.HELLO_ACK, 0, self._name_b, notif_len=NONCE_BYTES + MAC_BYTES)
+        await conn.send([ack, nonce_t, proof])
+        f = await conn.recv_frame()
+        if f.type is not Msg.AUTH:
+            raise ProtocolError(f"expected AUTH from {peer!r}, got {f.type.name}")
+        theirs = bytes(await conn.recv_exactly(f.notif_len))
+        if not hmac.compare_digest(theirs, handshake_proof(self._secret, INITIATOR_PURPOSE, *parts)):
+            raise ProtocolError(f"AUTH from {peer!r}: wrong proof (it does not hold the cluster secret)")
+        if peer not in self._peers:  # removed while it proved itself
+            raise ProtocolError(f"HELLO from {peer!r}: not a peer {self._name!r} knows (removed)")
+        return peer
 
     async def _request(self, conn: Conn, f: Frame) -> tuple[_Region, np.ndarray, bytes]:
         """Check a WRITE/READ request against the region before reading its indices and notif."""

@@ -1,0 +1,112 @@
+"""Test doubles for the HTTP front door (runtime/serving/): a byte-level codec and an
+in-process backend. Never used outside tests."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, Sequence
+
+import attrs
+import trio
+
+from hicache.runtime.serving.backend import (
+    TIERS,
+    Finished,
+    GenerateEvent,
+    GenerateRequest,
+    ModelInfo,
+    Tokens,
+)
+
+EOS = 256
+VOCAB = 260  # bytes 0..255, then EOS and three more special ids
+
+
+class ByteCodec:
+    """One token per UTF-8 byte; ids >= 256 are special and decode to nothing. A chat prompt is
+    "<role>content\\n" per message and "<assistant>" to finish, byte for byte."""
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        if messages[-1]["role"] == "tool" and len(messages) == 1:
+            raise ValueError("a conversation cannot open with a tool message")
+        text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
+        return text + ("<assistant>" if add_generation_prompt else "")
+
+
+@attrs.define
+class FakeBackend:
+    """Answers each prompt with its own tokens, cycled (so the output text is the prompt's
+    text again), `delay_s` apart. EOS after `eos_after` tokens unless ignore_eos. Cached
+    tokens: the longest prefix shared with an earlier prompt, all of it "l1" (cleared by
+    flush). `refuse`: answer every request with Finished("abort", refuse). Records what it
+    saw: `requests`, `aborted` and `finished` rids, and `active` ones."""
+
+    max_context: int = 4096
+    delay_s: float = 0.0
+    eos_after: int | None = None
+    refuse: str | None = None
+    stats_value: dict[str, float] = attrs.field(factory=lambda: {"queue_waiting": 0.0, "pool_l1_used_pages": 3.0})
+    requests: list[GenerateRequest] = attrs.field(factory=list)
+    aborted: list[str] = attrs.field(factory=list)
+    finished: list[str] = attrs.field(factory=list)
+    active: set[str] = attrs.field(factory=set)
+    flushes: int = 0
+    _seen: list[list[int]] = attrs.field(factory=list)
+
+    def model_info(self) -> ModelInfo:
+        return ModelInfo("fake/byte-echo", self.max_context, (EOS,), VOCAB)
+
+    async def flush(self) -> None:
+        self.flushes += 1
+        self._seen.clear()
+
+    async def stats(self) -> dict[str, float]:
+        return dict(self.stats_value, requests_active=float(len(self.active)))
+
+    def _cached(self, ids: list[int]) -> int:
+        best = 0
+        for old in self._seen:
+            n = 0
+            for a, b in zip(old, ids, strict=False):
+                if a != b:
+                    break
+                n += 1
+            best = max(best, n)
+        return best
+
+    async def generate(self, req: GenerateRequest) -> AsyncGenerator[GenerateEvent, None]:
+        self.requests.append(req)
+        self.active.add(req.rid)
+        done = False
+        try:
+            cached = dict.fromkeys(TIERS, 0)
+            cached["l1"] = self._cached(req.input_ids)
+            self._seen.append(list(req.input_ids))
+            if self.refuse is not None:
+                done = True
+                yield Finished("abort", self.refuse, len(req.input_ids), cached)
+                return
+            for n in range(req.max_new_tokens):
+                await trio.sleep(self.delay_s)
+                if self.eos_after is not None and n == self.eos_after and not req.sampling.ignore_eos:
+                    yield Tokens([EOS])
+                    done = True
+                    yield Finished("stop", "", len(req.input_ids), cached, 0.0)
+                    return
+                token = req.input_ids[n % len(req.input_ids)]
+                if token in req.sampling.stop_token_ids:
+                    yield Tokens([token])
+                    done = True
+                    yield Finished("stop", "", len(req.input_ids), cached, 0.0)
+                    return
+                yield Tokens([token])
+            done = True
+            yield Finished("length", "", len(req.input_ids), cached, 0.0)
+        finally:
+            self.active.discard(req.rid)
+            (self.finished if done else self.aborted).append(req.rid)
