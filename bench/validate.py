@@ -9,13 +9,14 @@
   node's hit ratio in the simulator against its capacity (L1 only, L1+L2; 1 and 4 decode nodes
   behind the cache-aware router).
 - `multiturn-pr`: SGLang PR #26227's 6-round benchmark (prompts 4K -> 64K on a 32B Qwen, PD +
-  HiCache + a Mooncake store), replayed closed-loop (a client sends its next round when the
-  previous answer is back), `no_decode_cache` against `l1_l2_l3`, per round and overall, with
-  the sensitivity to the settings the PR does not state.
+  HiCache + a Mooncake store), replayed closed-loop as its scenario says (a client sends its
+  next round when the previous answer is back), `no_decode_cache` against `l1_l2_l3`, per round
+  and overall, with the sensitivity to the settings the PR does not state.
 - `break-even`: the storage bandwidth at which loading a stored prefix beats the alternative:
   Mooncake's closed form (load vs prefill recompute, LLaMA3-70B, 8K prefix), the same from our
-  cost model, the decode node's `adaptive` rule (L3 restore vs P->D transfer), and both shown
-  in simulation by sweeping `storage.bandwidth`.
+  cost model, the decode node's `adaptive` rule (an L3 restore that fits within prefill plus
+  the whole P->D transfer) against `eager` and no decode cache, and both shown in simulation
+  by sweeping `storage.bandwidth`.
 
 Each study prints its tables; `--json OUT` also writes every figure as JSON.
 """
@@ -28,14 +29,13 @@ import math
 import sys
 import time
 from collections import OrderedDict, defaultdict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import attrs
 import numpy as np
 
-from hicache.core import commands as cmd
 from hicache.results import RequestRecord
 from hicache.scenarios.build import build_workload
 from hicache.scenarios.scenario import Scenario, load_scenario
@@ -44,9 +44,9 @@ from hicache.scenarios.traces import TraceRequest, read_trace
 from hicache.scenarios.workload import WorkItem
 from hicache.sim.cluster import Cluster, ClusterSetup, RunResult
 from hicache.sim.costs import NodeCosts
-from hicache.sim.decode import LiveRequest
 from hicache.sim.geometry import model_preset
 from hicache.sim.hardware import gpu_preset, link_preset
+from hicache.sim.runner import run_baselines
 from hicache.sim.setup import setups
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -297,38 +297,6 @@ PR_TOTAL = {
 PR_SCENARIO = "validation_pr_multiturn.toml"
 
 
-class ClosedLoopCluster(Cluster):
-    """Sessions replayed as benchmark clients send them: a session's next turn arrives `think`
-    seconds after its previous turn was answered, instead of at a time fixed in advance (the
-    first turn of each session keeps its arrival)."""
-
-    def __init__(self, setup: ClusterSetup, think: float) -> None:
-        super().__init__(setup)
-        self.think = think
-        self._following: dict[str, WorkItem] = {}
-
-    def replay(self, items: Sequence[WorkItem]) -> RunResult:
-        sessions: dict[str, list[WorkItem]] = defaultdict(list)
-        for item in items:
-            sessions[item.session].append(item)
-        firsts = []
-        for turns in sessions.values():
-            turns.sort(key=lambda i: i.turn)
-            firsts.append(turns[0])
-            for a, b in zip(turns, turns[1:], strict=False):
-                self._following[a.id] = b
-        firsts.sort(key=lambda i: (i.arrival, i.id))
-        return self.run(firsts)
-
-    def _respond(self, live: LiveRequest, c: cmd.Respond) -> None:
-        super()._respond(live, c)
-        after = self._following.pop(live.rid, None)
-        if after is not None:
-            none: Iterator[WorkItem] = iter(())
-            page, model = self.setup.decode.page_size, self.setup.model_name
-            self.loop.call_after(self.think, self._arrive, after, none, page, model)
-
-
 def _per_round(records: Sequence[RequestRecord]) -> list[dict[str, float]]:
     rounds: dict[int, list[RequestRecord]] = defaultdict(list)
     for r in records:
@@ -372,14 +340,12 @@ def _totals(res: RunResult) -> dict[str, float]:
 
 
 def run_pr(overrides: Sequence[str]) -> dict[str, Any]:
-    sc = scenario(PR_SCENARIO, overrides)
-    think = dict(sc.workload.params)["think_time"]
-    items = build_workload(sc)
-    out: dict[str, Any] = {}
-    for baseline in ("no_decode_cache", "l1_l2_l3"):
-        res = ClosedLoopCluster(setup_of(sc, baseline), think).replay(items)
-        out[baseline] = {"total": _totals(res), "rounds": _per_round(res.records)}
-    return out
+    """The scenario as `hicache sim run` replays it: closed-loop clients (`arrivals = "closed"`)."""
+    results = run_baselines(scenario(PR_SCENARIO, overrides))
+    return {
+        baseline: {"total": _totals(res), "rounds": _per_round(res.records)}
+        for baseline, res in results.items()
+    }
 
 
 def _change(a: float, b: float) -> str:
@@ -400,6 +366,9 @@ SENSITIVITY: list[tuple[str, list[str]]] = [
     ("think 10 s", ["workload.think_time=10.0"]),
     ("8 x H800", ['hardware.gpu="h800"']),
     ("MFU 0.35", ["hardware.efficiency=0.35"]),
+    # SGLang's decode-side HiCache polling before sgl-project/sglang#30511: 4 all-reduces of
+    # ~150 us per decode step (one after it); cluster.hicache_step_overhead charges it.
+    ("HiCache 0.6 ms/step", ["cluster.hicache_step_overhead=0.6e-3"]),
 ]
 
 
@@ -538,12 +507,16 @@ def prefill_break_even(costs: NodeCosts, host_bw: float, latency: float, prefix:
     return x / left if left > 0 else math.inf
 
 
-def adaptive_break_even(net_bw: float, host_bw: float, net_lat: float, l3_lat: float, nbytes: float) -> float:
-    """The decode node's `adaptive` promise keeps an L3 span of X = `nbytes` when l3_latency +
-    X/B + X/H is below network_latency + X/N (prefill's compute is not counted: it computes the
-    prompt anyway)."""
-    x = nbytes
-    left = net_lat + x / net_bw - l3_lat - x / host_bw
+def adaptive_break_even(
+    costs: NodeCosts, net_bw: float, host_bw: float, net_lat: float, l3_lat: float, prompt: int, prefix: int
+) -> float:
+    """The decode node's `adaptive` promise keeps an L3 span of X bytes (`prefix` tokens) when its
+    restore, l3_latency + X/B + X/H, fits within the overlap window: prefill computing the
+    prompt plus the transfer of all of it, prefill(prompt) + network_latency + prompt/N. The B
+    at which both are equal."""
+    kvb = costs.model.kv_bytes_per_token
+    x = prefix * kvb
+    left = costs.prefill_seconds(prompt) + net_lat + prompt * kvb / net_bw - l3_lat - x / host_bw
     return x / left if left > 0 else math.inf
 
 
@@ -645,12 +618,14 @@ def study_break_even(args: argparse.Namespace) -> dict[str, Any]:
     # decode side: adaptive's rule, for several P->D links, on the break-even scenario's host link
     sc0 = scenario(BE_SCENARIO)
     s0 = setup_of(sc0, "l1_l2_l3")
-    kvb = s0.costs.model.kv_bytes_per_token
+    prompt = PREFIX + dict(sc0.workload.params)["question_tokens"][0]
     ad_rows = []
     adaptive_closed = {}
     for per_gpu in (1e9, 2e9, 12.5e9, 25e9, 50e9):
         net = 8 * per_gpu
-        b = adaptive_break_even(net, s0.host_bandwidth, s0.network_latency, s0.storage_latency, PREFIX * kvb)
+        b = adaptive_break_even(
+            s0.costs, net, s0.host_bandwidth, s0.network_latency, s0.storage_latency, prompt, PREFIX
+        )
         adaptive_closed[net] = b
         ad_rows.append(
             [f"{net / 1e9:g}", f"{s0.host_bandwidth / 1e9:g}", "never" if math.isinf(b) else f"{b / 1e9:.2f}"]
@@ -658,9 +633,9 @@ def study_break_even(args: argparse.Namespace) -> dict[str, Any]:
     print_table(
         ["P->D GB/s", "host link GB/s", "adaptive restores above (GB/s)"],
         ad_rows,
-        "decode side: adaptive's L3-restore-vs-P->D rule, 8K prefix, 8 x A800 (PCIe 4)",
+        f"decode side: adaptive restores L3 when it fits within prefill + the whole transfer, "
+        f"8K prefix of a {prompt}-token prompt, 8 x A800 (PCIe 4)",
     )
-    prompt = PREFIX + dict(sc0.workload.params)["question_tokens"][0]
     cross = eager_crossing(
         s0.costs, s0.network_bandwidth, s0.host_bandwidth, s0.storage_latency, prompt, PREFIX
     )
@@ -668,7 +643,13 @@ def study_break_even(args: argparse.Namespace) -> dict[str, Any]:
     closed["scenario"] = {
         "network_bandwidth": s0.network_bandwidth,
         "adaptive_break_even": adaptive_break_even(
-            s0.network_bandwidth, s0.host_bandwidth, s0.network_latency, s0.storage_latency, PREFIX * kvb
+            s0.costs,
+            s0.network_bandwidth,
+            s0.host_bandwidth,
+            s0.network_latency,
+            s0.storage_latency,
+            prompt,
+            PREFIX,
         ),
         "eager_crossing": cross,
         "prefill_seconds_prompt": s0.costs.prefill_seconds(prompt),
@@ -706,6 +687,8 @@ def study_break_even(args: argparse.Namespace) -> dict[str, Any]:
     rows = []
     for r in sweep:
         ad, eg = r["adaptive"], r["eager"]
+        best = min(eg["ttft_s"], none["ttft_s"])
+        r["adaptive_over_best"] = ad["ttft_s"] / best - 1
         rows.append(
             [
                 r["bandwidth_gbs"],
@@ -715,6 +698,7 @@ def study_break_even(args: argparse.Namespace) -> dict[str, Any]:
                 f"{eg['l3_share']:.1%}",
                 f"{eg['ttft_s']:.3f}",
                 f"{none['ttft_s']:.3f}",
+                f"{r['adaptive_over_best']:+.1%}",
                 eg["fallback_tokens"],
             ]
         )
@@ -727,6 +711,7 @@ def study_break_even(args: argparse.Namespace) -> dict[str, Any]:
             "eager L3",
             "eager TTFT",
             "no cache TTFT",
+            "adapt. vs best",
             "eager fallback tok",
         ],
         rows,
@@ -758,6 +743,11 @@ def study_break_even(args: argparse.Namespace) -> dict[str, Any]:
     print("\nswitch points found in simulation (first swept bandwidth past the switch):")
     for k, v in found.items():
         print(f"  {k:<32} {v:g} GB/s")
+    worst = max(sweep, key=lambda r: r["adaptive_over_best"])
+    print(
+        f"\nadaptive's mean TTFT against the better of eager and no_decode_cache: at most "
+        f"{worst['adaptive_over_best']:+.2%} (at {worst['bandwidth_gbs']} GB/s)"
+    )
     out["simulation"] = {"no_decode_cache": none, "sweep": sweep, "switches": found}
     return out
 

@@ -2,7 +2,10 @@
 
 Generators run with the scenario's parameters and seed; traces are read as they are. Then the
 same steps apply to both: keep the first `limit` requests (traces) and the arrivals before
-`run.until`, spread sessions over tenants, and sort by arrival.
+`run.until`, spread sessions over tenants, and sort by arrival. With closed-loop arrivals a
+session's requests after its first carry their pause (`WorkItem.think`) instead of a fixed time:
+the driver sends each one when the previous is answered, so `run.until` cuts sessions by when
+they start here and by when each request is sent there.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from pathlib import Path
 
 import attrs
 
+from hicache.scenarios import fit
 from hicache.scenarios.generators import AgenticLoop, SharedPrefix
 from hicache.scenarios.multiturn import MultiTurnChat
 from hicache.scenarios.scenario import GENERATORS, Scenario, ScenarioError
@@ -24,7 +28,13 @@ def make_generator(scenario: Scenario) -> MultiTurnChat | AgenticLoop | SharedPr
     if workload.kind not in GENERATORS:
         detail = f"{workload.kind!r} is not a generated workload"
         raise ScenarioError(scenario.source, "workload.kind", detail)
-    return GENERATORS[workload.kind](**workload.generator_params(), seed=scenario.workload_seed)
+    params = workload.generator_params()
+    cls = GENERATORS[workload.kind]
+    defaults = {f.name: f.default for f in attrs.fields(cls)}
+    misfit = fit.misfit(workload.kind, params, defaults, fit.memory_budget())
+    if misfit is not None:
+        raise ScenarioError(scenario.source or scenario.name, f"workload.{misfit[0]}", misfit[1])
+    return cls(**params, seed=scenario.workload_seed)
 
 
 def _trace_requests(scenario: Scenario) -> list[TraceRequest]:
@@ -54,6 +64,47 @@ def assign_tenants(items: list[WorkItem], tenants: int) -> list[WorkItem]:
     return out
 
 
+def close_loop(items: list[WorkItem], think: float | None) -> list[WorkItem]:
+    """Every request of a session after its first waits for the previous one's answer, then
+    `think` seconds (None: the gap between the two arrivals, a trace's own pause). `items` are
+    in arrival order; a request without a session stays where it is."""
+    previous: dict[str, WorkItem] = {}
+    out = []
+    for item in items:
+        before = previous.get(item.session) if item.session else None
+        if before is not None:
+            pause = item.arrival - before.arrival if think is None else think
+            item = attrs.evolve(item, think=pause)
+        if item.session:
+            previous[item.session] = item
+        out.append(item)
+    return out
+
+
+def _closed_think(scenario: Scenario) -> float | None:
+    """The fixed pause of a closed loop: a generator's mean gap is its clients' pause."""
+    workload = scenario.workload
+    if workload.kind == "trace":
+        return workload.think_time
+    params = workload.generator_params()
+    return params["tool_time"] if workload.kind == "agentic" else params["think_time"]
+
+
+def _before(items: list[WorkItem], until: float) -> list[WorkItem]:
+    """The requests sent before `until`: open ones by arrival, closed-loop ones with their
+    session (the driver stops sending them at `until`)."""
+    started: set[str] = set()
+    out = []
+    for item in items:
+        if item.think is None:
+            if item.arrival < until:
+                out.append(item)
+                started.add(item.session)
+        elif item.session in started:
+            out.append(item)
+    return out
+
+
 def build_workload(scenario: Scenario) -> list[WorkItem]:
     """Every request of the scenario's workload, sorted by arrival (stable)."""
     if scenario.workload.kind == "trace":
@@ -61,6 +112,14 @@ def build_workload(scenario: Scenario) -> list[WorkItem]:
     else:
         items = from_chat(make_generator(scenario).generate())
     items.sort(key=lambda item: item.arrival)
+    if scenario.workload.closed:
+        if not any(item.session for item in items):
+            detail = "closed-loop sessions need session ids, and this trace has none"
+            raise ScenarioError(scenario.source or scenario.name, "workload.arrivals", detail)
+        items = close_loop(items, _closed_think(scenario))
     if scenario.run.until > 0:
-        items = [item for item in items if item.arrival < scenario.run.until]
+        items = _before(items, scenario.run.until)
+        if not items:
+            detail = f"no request arrives before {scenario.run.until:g} s: nothing to replay"
+            raise ScenarioError(scenario.source or scenario.name, "run.until", detail)
     return assign_tenants(items, scenario.workload.tenants)

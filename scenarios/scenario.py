@@ -35,6 +35,8 @@ GENERATORS: dict[str, type[MultiTurnChat] | type[AgenticLoop] | type[SharedPrefi
     "agentic": AgenticLoop,
     "shared_prefix": SharedPrefix,
 }
+ARRIVALS = ("open", "closed")
+CLOSED_KINDS = ("multiturn", "agentic", "trace")  # the kinds whose requests follow one another
 ROUTERS = ("round_robin", "session_affinity", "cache_aware")
 BASELINES = ("no_decode_cache", "l1", "l1_l2", "l1_l2_l3")
 OVERRIDE_SOURCE = "--set"
@@ -60,8 +62,18 @@ class _Invalid(Exception):
 Check = Callable[[Any], Any]
 
 
+SHOWN_CHARS = 80  # of a bad value in a message: a 100 MB value must not become a 100 MB message
+NAME_CHARS = 256  # names title plots and name the default results folder
+PATH_CHARS = 4096  # PATH_MAX on Linux
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= SHOWN_CHARS else f"{text[:SHOWN_CHARS]}... ({len(text):,} characters)"
+
+
 def _show(value: Any) -> str:
-    return f"{value!r} ({type(value).__name__})"
+    return f"{_short(value)} ({type(value).__name__})"
 
 
 def _is_int(value: Any) -> bool:
@@ -79,7 +91,7 @@ def _integer(low: int, high: int | None = None) -> Check:
         if not _is_int(value):
             raise _Invalid(f"expected an integer {span}, got {_show(value)}")
         if value < low or (high is not None and value > high):
-            raise _Invalid(f"expected an integer {span}, got {value!r}")
+            raise _Invalid(f"expected an integer {span}, got {_short(value)}")
         return value
 
     return check
@@ -98,22 +110,32 @@ def _number(low: float, *, above: bool = False, high: float | None = None) -> Ch
             as_float = math.inf
         ok = math.isfinite(as_float) and (as_float > low if above else as_float >= low)
         if not ok or (high is not None and as_float > high):
-            raise _Invalid(f"expected a finite number {span}, got {value!r}")
+            raise _Invalid(f"expected a finite number {span}, got {_short(value)}")
         return as_float
 
     return check
 
 
-def _text(value: Any) -> str:
+def _bounded(value: str, limit: int) -> str:
+    if len(value) > limit:
+        raise _Invalid(f"expected at most {limit:,} characters, got a string of {len(value):,}")
+    return value
+
+
+def _text(value: Any, limit: int = NAME_CHARS) -> str:
     if not isinstance(value, str) or not value:
         raise _Invalid(f"expected a non-empty string, got {_show(value)}")
-    return value
+    return _bounded(value, limit)
+
+
+def _path(value: Any) -> str:
+    return _text(value, PATH_CHARS)
 
 
 def _any_text(value: Any) -> str:
     if not isinstance(value, str):
         raise _Invalid(f"expected a string, got {_show(value)}")
-    return value
+    return _bounded(value, NAME_CHARS)
 
 
 def _boolean(value: Any) -> bool:
@@ -125,7 +147,7 @@ def _boolean(value: Any) -> bool:
 def _one_of(choices: Sequence[str], noun: str) -> Check:
     def check(value: Any) -> str:
         if not isinstance(value, str) or value not in choices:
-            shown = repr(value) if isinstance(value, str) else _show(value)
+            shown = _short(value) if isinstance(value, str) else _show(value)
             raise _Invalid(f"unknown {noun} {shown}; expected one of: {', '.join(choices)}")
         return value
 
@@ -171,14 +193,27 @@ class WorkloadSpec:
     limit: int = 0
     seed: int | None = None  # None: the scenario's seed
     params: tuple[tuple[str, Any], ...] = ()
+    # "closed": a session's next request is sent a pause after its previous one is answered
+    # (benchmark clients); "open": every request arrives at a time fixed in advance.
+    arrivals: str = "open"
+    clients: int = 0  # closed loop: at most this many sessions open at once; 0: no limit
+    think_time: float | None = None  # closed-loop traces: a fixed pause; None: the trace's gaps
+
+    @property
+    def closed(self) -> bool:
+        return self.arrivals == "closed"
 
     def generator_params(self) -> dict[str, Any]:
         return dict(self.params)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"kind": self.kind, "tenants": self.tenants}
+        if self.closed:  # open arrivals, the default, are left out: older results stay equal
+            out.update(arrivals=self.arrivals, clients=self.clients)
         if self.kind == "trace":
             out.update(path=self.path, time_scale=self.time_scale, limit=self.limit)
+            if self.think_time is not None:
+                out["think_time"] = self.think_time
         else:
             out.update({k: list(v) if isinstance(v, tuple) else v for k, v in self.params})
             if self.seed is not None:
@@ -245,6 +280,10 @@ class ClusterSpec:
     prefill_cache: bool = True
     max_running: int = 256
     decode_step_overhead: float = 0.005
+    # Added to every decode step of a node with a host or storage tier (l1_l2, l1_l2_l3): the
+    # per-step event polling and collectives of a hierarchical cache. SGLang measured about
+    # 150 us per all-reduce, four per step before sgl-project/sglang#30511 merged them into one.
+    hicache_step_overhead: float = 0.0
     tick_interval: float = 0.002
 
 
@@ -372,6 +411,7 @@ _SECTIONS: dict[str, tuple[type, dict[str, Check]]] = {
             "prefill_cache": _boolean,
             "max_running": _integer(1),
             "decode_step_overhead": _number(0),
+            "hicache_step_overhead": _number(0),
             "tick_interval": _number(0, above=True),
         },
     ),
@@ -406,7 +446,13 @@ SECTIONS = ("workload", *_SECTIONS)
 FAULTS = "faults"  # an optional section, validated by `hicache.faults.FaultSpec.parse`
 
 _WORKLOAD_COMMON = {"kind": _one_of(WORKLOAD_KINDS, "workload kind"), "tenants": _integer(1)}
-_TRACE = {"path": _text, "time_scale": _number(0, above=True), "limit": _integer(0)}
+_CLOSED_LOOP = {"arrivals": _one_of(ARRIVALS, "arrival mode"), "clients": _integer(0)}
+_TRACE = {
+    "path": _path,
+    "time_scale": _number(0, above=True),
+    "limit": _integer(0),
+    "think_time": _number(0),
+}
 _GENERATOR_CHECKS: dict[str, dict[str, Check]] = {
     "multiturn": {
         "conversations": _integer(1),
@@ -447,7 +493,8 @@ _GENERATOR_CHECKS: dict[str, dict[str, Check]] = {
 def workload_keys(kind: str) -> tuple[str, ...]:
     """The keys a [workload] table of this kind accepts."""
     specific = _TRACE if kind == "trace" else _GENERATOR_CHECKS.get(kind, {})
-    return (*_WORKLOAD_COMMON, *specific)
+    closed = _CLOSED_LOOP if kind in CLOSED_KINDS else {}
+    return (*_WORKLOAD_COMMON, *closed, *specific)
 
 
 def section_keys(section: str) -> tuple[str, ...]:
@@ -524,9 +571,10 @@ def _parse_workload(doc: Mapping[str, Any], source: str) -> WorkloadSpec:
     for key in table:
         if key not in known:
             raise _not_in_workload(source, key, kind)
-    checks = {**_WORKLOAD_COMMON, **(_TRACE if kind == "trace" else _GENERATOR_CHECKS[kind])}
+    checks = {**_WORKLOAD_COMMON, **_CLOSED_LOOP, **(_TRACE if kind == "trace" else _GENERATOR_CHECKS[kind])}
     values = {key: _checked(checks[key], value, source, f"workload.{key}") for key, value in table.items()}
     tenants = values.get("tenants", 1)
+    loop = _closed_loop(values, kind, source)
     if kind == "trace":
         if "path" not in values:
             raise ScenarioError(
@@ -541,6 +589,8 @@ def _parse_workload(doc: Mapping[str, Any], source: str) -> WorkloadSpec:
             path=_resolve_path(values["path"], source),
             time_scale=values.get("time_scale", 1.0),
             limit=values.get("limit", 0),
+            think_time=values.get("think_time"),
+            **loop,
         )
     cls = GENERATORS[kind]
     params = {f.name: values.get(f.name, f.default) for f in attrs.fields(cls) if f.name != "seed"}
@@ -549,7 +599,21 @@ def _parse_workload(doc: Mapping[str, Any], source: str) -> WorkloadSpec:
         cls(**params, seed=0 if seed is None else seed)
     except ValueError as exc:  # a constraint across parameters that the checks above miss
         raise ScenarioError(source, "workload", str(exc)) from None
-    return WorkloadSpec(kind, tenants, seed=seed, params=tuple(params.items()))
+    return WorkloadSpec(kind, tenants, seed=seed, params=tuple(params.items()), **loop)
+
+
+def _closed_loop(values: Mapping[str, Any], kind: str, source: str) -> dict[str, Any]:
+    """`arrivals` and `clients`; the keys that only a closed loop reads need one."""
+    arrivals = values.get("arrivals", "open")
+    needs = {"clients": values.get("clients", 0) > 0}
+    if kind == "trace":
+        needs["think_time"] = "think_time" in values
+    if arrivals != "closed":
+        for key, used in needs.items():
+            if used:
+                detail = 'applies only to closed-loop sessions: set workload.arrivals = "closed"'
+                raise ScenarioError(source, f"workload.{key}", detail)
+    return {"arrivals": arrivals, "clients": values.get("clients", 0)}
 
 
 def parse_scenario(doc: Mapping[str, Any], source: str) -> Scenario:

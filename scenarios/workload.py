@@ -36,6 +36,9 @@ class WorkItem:
     output: np.ndarray | None = attrs.field(default=None, eq=False, repr=False)
     blocks: tuple[int, ...] | None = attrs.field(default=None, repr=False)  # chained block ids
     block_size: int = 0
+    # Closed loop: sent this many seconds after the session's previous request is answered, and
+    # `arrival` is only the open-loop schedule. None: it arrives at `arrival`.
+    think: float | None = None
 
     def seed(self, model: str) -> int:
         """The page-key namespace: the model, salted by the tenant when there is one."""

@@ -23,6 +23,7 @@ from hicache.sim.engine import EventLoop
 from hicache.sim.faults import SimFaults
 from hicache.sim.prefill import PrefillJob, PrefillNode
 from hicache.sim.router import Router
+from hicache.sim.sessions import ClosedLoop
 from hicache.sim.store import SharedStore
 
 
@@ -104,6 +105,7 @@ class Cluster:
         self._progress: Callable[[int], None] | None = None
         self._sequential = False
         self._keys: Mapping[str, np.ndarray] | None = None
+        self.sessions: ClosedLoop | None = None
 
     def run(
         self,
@@ -112,16 +114,26 @@ class Cluster:
         *,
         sequential: bool = False,
         keys: Mapping[str, np.ndarray] | None = None,
+        clients: int = 0,
+        until: float = 0.0,
     ) -> RunResult:
         """Replay `items` (sorted by arrival) to the end; `progress(n)` hears of n more answers.
         `sequential`: each request arrives only once the one before has ended and every node is
-        at rest (its backups and stores done): the decisions of one request at a time.
+        at rest (its backups and stores done): the decisions of one request at a time (pauses
+        of closed-loop sessions are then ignored).
         `keys`: each item's sequence page keys, when a caller replays the same items several
-        times (otherwise computed at arrival)."""
+        times (otherwise computed at arrival).
+        Closed-loop requests (`WorkItem.think` set) are sent when the one before them in their
+        session is answered, `think` seconds later; `clients` caps the sessions open at once and
+        nothing is sent at or after `until` (see `hicache.sim.sessions`)."""
         self._progress = progress
         self._keys = keys
         page = self.setup.decode.page_size
         model = self.setup.model_name
+        closed = not sequential and (clients > 0 or any(i.think is not None for i in items))
+        if closed:
+            self.sessions = ClosedLoop(items, clients, until)
+            items = self.sessions.firsts
         arrivals = iter(items)
         self._sequential = sequential
         first = next(arrivals, None)
@@ -170,6 +182,24 @@ class Cluster:
                 self.loop.call_at(
                     max(after.arrival, self.loop.now), self._arrive, after, arrivals, page, model
                 )
+        if self.sessions is not None and not self.sessions.arrived(item, self.loop.now):
+            return  # every client is busy (the session waits for one), or it is past `until`
+        self._send(item, page, model)
+
+    def _due(self, item: WorkItem) -> None:
+        """A closed-loop request's time has come (or a waiting session got its client)."""
+        assert self.sessions is not None
+        start = self.sessions.due(item, self.loop.now)
+        if start is None:
+            self._send(item, self.setup.decode.page_size, self.setup.model_name)
+        else:
+            self._schedule(start)
+
+    def _schedule(self, items: list[tuple[float, WorkItem]]) -> None:
+        for delay, item in items:
+            self.loop.call_after(delay, self._due, item)
+
+    def _send(self, item: WorkItem, page: int, model: str) -> None:
         keys = self._keys[item.id] if self._keys is not None else item.sequence_keys(page, model)
         seq = keys.tolist()
         prompt = seq[: item.prompt_len // page]
@@ -233,3 +263,5 @@ class Cluster:
         )
         if self._progress is not None:
             self._progress(1)
+        if self.sessions is not None:
+            self._schedule(self.sessions.answered(live.rid))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import attrs
 
 from hicache.scenarios.scenario import Scenario, ScenarioError
+from hicache.sim import fit
 from hicache.sim.cluster import ClusterSetup
 from hicache.sim.costs import NodeCosts
 from hicache.sim.geometry import ModelGeometry, model_preset
@@ -64,12 +65,47 @@ def gpu_of(scenario: Scenario) -> GPU:
     return attrs.evolve(gpu, **changes)
 
 
+def _costs(scenario: Scenario) -> NodeCosts:
+    hw = scenario.hardware
+    return NodeCosts(
+        model_of(scenario), gpu_of(scenario), hw.gpus_per_node, scenario.cluster.decode_step_overhead
+    )
+
+
+def tier_pages(scenario: Scenario) -> fit.Pages:
+    """Pages of a decode node's L1 and L2, and of each prefill node's (L1, L2) if it caches."""
+    cache, costs = scenario.cache, _costs(scenario)
+    page = cache.page_size
+    try:
+        capacity = costs.kv_capacity_tokens(scenario.hardware.mem_fraction)
+    except ValueError as exc:
+        raise _fail(scenario, "hardware.mem_fraction", exc) from None
+    l1_pages = (cache.l1_tokens or capacity) // page
+    l2_pages = cache.l2_tokens_for(l1_pages * page) // page
+    prefill_pages = None
+    if scenario.cluster.prefill_cache:
+        p1 = capacity // page
+        prefill_pages = (p1, int(p1 * cache.hicache_ratio))
+    return l1_pages, l2_pages, prefill_pages
+
+
+def prefill_estimates(costs: NodeCosts) -> dict[str, float]:
+    """The decode core's estimate of prefill's compute: the cost model's own formula (linear
+    in the tokens, plus attention over every earlier token), so `adaptive` sees what the
+    simulated prefill node will spend (`hicache.core.promise.prefill_seconds`)."""
+    m = costs.model
+    return {
+        "prefill_tokens_per_s": costs.flops / (2.0 * m.active_params),
+        "prefill_attention_seconds": 4.0 * m.layers * m.q_heads * m.head_dim / costs.flops,
+    }
+
+
 def setups(scenario: Scenario) -> dict[str, ClusterSetup]:
-    """The resolved setup of every baseline the scenario asks for, in its order."""
+    """The resolved setup of every baseline the scenario asks for, in its order. A cluster
+    that cannot fit this machine's memory is refused first (`hicache.sim.fit`)."""
     hw, cl, st, cache = scenario.hardware, scenario.cluster, scenario.storage, scenario.cache
     model = model_of(scenario)
-    gpu = gpu_of(scenario)
-    costs = NodeCosts(model, gpu, hw.gpus_per_node, cl.decode_step_overhead)
+    costs = _costs(scenario)
     try:
         host = link_preset(hw.host_link)
     except ValueError as exc:
@@ -83,19 +119,10 @@ def setups(scenario: Scenario) -> dict[str, ClusterSetup]:
     net_bw = (hw.network_bandwidth or net.bandwidth) * gpus
     net_lat = net.latency if hw.network_latency is None else hw.network_latency
     page = cache.page_size
-    try:
-        capacity = costs.kv_capacity_tokens(hw.mem_fraction)
-    except ValueError as exc:
-        raise _fail(scenario, "hardware.mem_fraction", exc) from None
-    l1_tokens = cache.l1_tokens or capacity
-    l1_pages = l1_tokens // page
-    l2_pages = cache.l2_tokens_for(l1_pages * page) // page
+    l1_pages, l2_pages, prefill_pages = tier_pages(scenario)
     if l1_pages < 1:
         raise _fail(scenario, "cache.l1_tokens", ValueError(f"holds no page of {page} tokens"))
-    prefill_pages = None
-    if cl.prefill_cache:
-        p1 = capacity // page
-        prefill_pages = (p1, int(p1 * cache.hicache_ratio))
+    fit.check_cluster(scenario, tier_pages)
     estimates = {
         "kv_bytes_per_token": float(model.kv_bytes_per_token),
         "l3_bandwidth": st.bandwidth,
@@ -103,10 +130,10 @@ def setups(scenario: Scenario) -> dict[str, ClusterSetup]:
         "host_to_device_bandwidth": host_bw,
         "network_bandwidth": net_bw,
         "network_latency": net_lat,
-        # Prefill computes every prompt token its own cache lacks whatever the decode node
-        # promises, so a promise saves only the transfer: no compute term in the estimate.
-        "prefill_tokens_per_s": 1e18,
+        **prefill_estimates(costs),
     }
+    # A hierarchical cache's per-step polling and collectives (cluster.hicache_step_overhead).
+    hicache_costs = attrs.evolve(costs, step_overhead=costs.step_overhead + cl.hicache_step_overhead)
     out = {}
     for baseline in scenario.run.baselines:
         if baseline not in BASELINES:
@@ -124,7 +151,7 @@ def setups(scenario: Scenario) -> dict[str, ClusterSetup]:
         except ValueError as exc:
             raise _fail(scenario, "cache", exc) from None
         out[baseline] = ClusterSetup(
-            costs=costs,
+            costs=hicache_costs if baseline in ("l1_l2", "l1_l2_l3") else costs,
             decode=decode,
             model_name=model.name,
             prefill_nodes=cl.prefill_nodes,

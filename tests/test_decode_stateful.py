@@ -52,9 +52,10 @@ def configs(draw: st.DrawFn) -> DecodeConfig:
     promise = draw(st.sampled_from(PROMISE_POLICIES), label="promise")
     estimates: dict[str, float] = {}
     if promise == "adaptive":
-        # Receiving t tokens costs ~ network_latency + t seconds; restoring them costs ~2t / h2d
-        # from L2 and l3_latency + 2t / h2d from L3. With these choices both outcomes happen for
-        # each tier, depending on the span's length.
+        # A span's overlap window is ~ network_latency + r seconds for the r prompt tokens from
+        # its start on (prefill at 1 token/s); restoring t tokens costs ~2t / h2d from L2 and
+        # l3_latency + 2t / h2d from L3. With these choices both outcomes happen for each tier,
+        # depending on the span's length and where it starts.
         estimates = dict(
             kv_bytes_per_token=2.0,
             network_bandwidth=1e9,

@@ -48,7 +48,12 @@ def reads_inside(source: str, filename: str) -> list[str]:
 
 
 def files() -> list[Path]:
-    found = [p for d in ("sim", "runtime", "bench") for p in sorted((ROOT / d).rglob("*.py"))]
+    found = [
+        p
+        for d in ("sim", "runtime", "bench")
+        for p in sorted((ROOT / d).rglob("*.py"))
+        if not any(part.startswith(".") for part in p.relative_to(ROOT).parts)  # bench/.venvs/
+    ]
     found += [p for p in sorted((ROOT / "hicache").glob("*.py"))]
     found += [ROOT / h for h in HARNESSES]
     return found

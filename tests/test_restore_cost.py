@@ -2,7 +2,9 @@
 
 Break-even bandwidths are solved by hand from the config's fields (not through the code under
 test), then nudged just above (restore pays) and just below (it does not). Deleting the L2 or
-the L3 rule of `choose_parts`, or the sim prefill node's L3 rule, fails one of these.
+the L3 rule of `choose_parts`, or the sim prefill node's L3 rule, fails one of these; so does
+weighing a span against the transfer of its own tokens instead of the overlap window (prefill
+of the remaining prompt plus the transfer of all of it).
 """
 
 from __future__ import annotations
@@ -13,7 +15,14 @@ import attrs
 import pytest
 
 from hicache.core.config import DecodeConfig
-from hicache.core.promise import choose_parts, l2_restore_seconds, l3_restore_seconds, receive_seconds
+from hicache.core.promise import (
+    choose_parts,
+    l2_restore_seconds,
+    l3_restore_seconds,
+    overlap_seconds,
+    prefill_seconds,
+    transfer_seconds,
+)
 from hicache.core.restore_cost import RestorePath, restore_pays
 from hicache.sim.channel import Channel
 from hicache.sim.costs import NodeCosts
@@ -28,6 +37,8 @@ BELOW = 0.999
 
 L2_PAGES = 8
 L3_PAGES = 4
+DEVICE_PAGES = 2
+PROMPT = 40 * 16 + 5  # tokens: L1, L2 and L3 spans, then 26 pages and a bit that only prefill has
 
 BASE = DecodeConfig(
     l1_pages=64,
@@ -41,27 +52,35 @@ BASE = DecodeConfig(
     network_bandwidth=1e9,
     network_latency=1e-3,
     prefill_tokens_per_s=1e5,
+    prefill_attention_seconds=1e-9,
 )
 
 
-def _receive(cfg: DecodeConfig, tokens: int) -> float:
-    return (
-        cfg.network_latency
-        + tokens * cfg.kv_bytes_per_token / cfg.network_bandwidth
-        + tokens / cfg.prefill_tokens_per_s
-    )
+def _window(cfg: DecodeConfig, start: int) -> float:
+    """By hand: prefill computes the prompt from token `start` on (linear + attention over every
+    earlier token), then ships all of it."""
+    rest = PROMPT - start
+    attended = sum(start + i for i in range(rest))
+    compute = rest / cfg.prefill_tokens_per_s + cfg.prefill_attention_seconds * attended
+    return compute + cfg.network_latency + rest * cfg.kv_bytes_per_token / cfg.network_bandwidth
+
+
+def _choose(cfg: DecodeConfig, l2: int, l3: int, device: int = DEVICE_PAGES) -> tuple[int, int]:
+    return choose_parts(cfg, l2, l3, prompt_tokens=PROMPT, device_pages=device)
 
 
 def _l2_break_even_h2d(cfg: DecodeConfig) -> float:
-    """Host link bandwidth at which restoring the L2 span takes exactly as long as receiving it."""
+    """Host link bandwidth at which restoring the L2 span takes exactly the overlap window."""
     nbytes = L2_PAGES * cfg.page_size * cfg.kv_bytes_per_token
-    return nbytes / _receive(cfg, L2_PAGES * cfg.page_size)
+    return nbytes / _window(cfg, DEVICE_PAGES * cfg.page_size)
 
 
-def _l3_break_even_bandwidth(cfg: DecodeConfig) -> float:
-    """Storage bandwidth at which restoring the L3 span takes exactly as long as receiving it."""
+def _l3_break_even_bandwidth(cfg: DecodeConfig, l2: int = L2_PAGES) -> float:
+    """Storage bandwidth at which restoring the L3 span (after L1 and `l2` L2 pages) takes
+    exactly the overlap window from where it starts."""
     nbytes = L3_PAGES * cfg.page_size * cfg.kv_bytes_per_token
-    slack = _receive(cfg, L3_PAGES * cfg.page_size) - cfg.l3_latency - nbytes / cfg.host_to_device_bandwidth
+    start = (DEVICE_PAGES + l2) * cfg.page_size
+    slack = _window(cfg, start) - cfg.l3_latency - nbytes / cfg.host_to_device_bandwidth
     assert slack > 0
     return nbytes / slack
 
@@ -114,48 +133,72 @@ def test_formula_break_even_on_bandwidth(factor: float, pays: bool) -> None:
     assert restore_pays(path.seconds(nbytes), alternative) is pays
 
 
-# --- the core: choose_parts under the adaptive promise ----------------------------------------
+# --- the core: choose_parts under each promise policy ------------------------------------------
 
 
-def test_core_restore_estimates_are_the_hand_formula() -> None:
+def test_core_estimates_are_the_hand_formula() -> None:
     cfg = attrs.evolve(BASE, host_to_device_bandwidth=3e9, l3_bandwidth=2e9)
     tokens = 100
     nbytes = tokens * cfg.kv_bytes_per_token
     assert l2_restore_seconds(cfg, tokens) == nbytes / 3e9
     assert l3_restore_seconds(cfg, tokens) == cfg.l3_latency + nbytes / 2e9 + nbytes / 3e9
-    assert receive_seconds(cfg, tokens) == _receive(cfg, tokens)
+    assert transfer_seconds(cfg, tokens) == cfg.network_latency + nbytes / cfg.network_bandwidth
+    assert prefill_seconds(cfg, 3, 10) == pytest.approx(3 / 1e5 + 1e-9 * (10 + 11 + 12))
+    assert prefill_seconds(cfg, 0, 10) == 0.0
+    for start in (0, 32, 160, PROMPT):
+        assert overlap_seconds(cfg, PROMPT, start) == pytest.approx(_window(cfg, start), rel=1e-12)
 
 
 def test_adaptive_keeps_l2_just_above_break_even() -> None:
     cfg = attrs.evolve(BASE, host_to_device_bandwidth=_l2_break_even_h2d(BASE) * ABOVE)
-    assert choose_parts(cfg, L2_PAGES, 0) == (L2_PAGES, 0)
+    assert _choose(cfg, L2_PAGES, 0) == (L2_PAGES, 0)
 
 
 def test_adaptive_drops_l2_just_below_break_even() -> None:
     cfg = attrs.evolve(BASE, host_to_device_bandwidth=_l2_break_even_h2d(BASE) * BELOW)
-    assert choose_parts(cfg, L2_PAGES, 0) == (0, 0)
+    assert _choose(cfg, L2_PAGES, 0) == (0, 0)
 
 
 def test_dropping_l2_drops_l3_even_where_l3_alone_would_pay() -> None:
     cfg = attrs.evolve(BASE, host_to_device_bandwidth=_l2_break_even_h2d(BASE) * BELOW)
-    assert choose_parts(cfg, 0, 1) == (0, 1)  # one L3 page on its own is worth restoring
-    assert choose_parts(cfg, L2_PAGES, 1) == (0, 0)  # but the promise is a prefix
+    assert _choose(cfg, 0, 1) == (0, 1)  # one L3 page on its own is worth restoring
+    assert _choose(cfg, L2_PAGES, 1) == (0, 0)  # but the promise is a prefix
 
 
 def test_adaptive_keeps_l3_just_above_break_even() -> None:
     cfg = attrs.evolve(BASE, l3_bandwidth=_l3_break_even_bandwidth(BASE) * ABOVE)
-    assert choose_parts(cfg, L2_PAGES, L3_PAGES) == (L2_PAGES, L3_PAGES)
-    assert choose_parts(cfg, 0, L3_PAGES) == (0, L3_PAGES)
+    assert _choose(cfg, L2_PAGES, L3_PAGES) == (L2_PAGES, L3_PAGES)
+    wider = attrs.evolve(BASE, l3_bandwidth=_l3_break_even_bandwidth(BASE, l2=0) * ABOVE)
+    assert _choose(wider, 0, L3_PAGES) == (0, L3_PAGES)
 
 
 def test_adaptive_drops_l3_just_below_break_even() -> None:
     cfg = attrs.evolve(BASE, l3_bandwidth=_l3_break_even_bandwidth(BASE) * BELOW)
-    assert choose_parts(cfg, L2_PAGES, L3_PAGES) == (L2_PAGES, 0)
-    assert choose_parts(cfg, 0, L3_PAGES) == (0, 0)
+    assert _choose(cfg, L2_PAGES, L3_PAGES) == (L2_PAGES, 0)
+    narrower = attrs.evolve(BASE, l3_bandwidth=_l3_break_even_bandwidth(BASE, l2=0) * BELOW)
+    assert _choose(narrower, 0, L3_PAGES) == (0, 0)
+
+
+def test_the_window_starts_after_what_decode_holds() -> None:
+    """More of the prompt on L1 leaves less for prefill and the transfer to hide a restore
+    behind: a span that pays after two L1 pages does not after twenty."""
+    cfg = attrs.evolve(BASE, l3_bandwidth=_l3_break_even_bandwidth(BASE, l2=0) * 1.5)
+    assert _choose(cfg, 0, L3_PAGES) == (0, L3_PAGES)
+    assert _choose(cfg, 0, L3_PAGES, device=20) == (0, 0)
+
+
+def test_a_restore_slower_than_its_own_transfer_hides_behind_prefill() -> None:
+    """The overlap: restoring the span takes longer than shipping those same tokens, yet less
+    than prefill of the remaining prompt plus its transfer, so the span is promised."""
+    cfg = attrs.evolve(BASE, l3_bandwidth=_l3_break_even_bandwidth(BASE) * ABOVE)
+    tokens = L3_PAGES * cfg.page_size
+    assert l3_restore_seconds(cfg, tokens) > transfer_seconds(cfg, tokens)
+    assert _choose(cfg, L2_PAGES, L3_PAGES) == (L2_PAGES, L3_PAGES)
 
 
 def test_adaptive_keeps_both_tiers_on_an_exact_tie() -> None:
-    # Every term is exact in binary: receive = 0 + 4/4 + 4/4 = 2 s for 4 one-token pages.
+    # Every term is exact in binary: 4 one-token pages of a 4-token prompt; prefill 4/4 = 1 s,
+    # the transfer 0 + 4/4 = 1 s: a window of 2 s.
     tie = attrs.evolve(
         BASE,
         page_size=1,
@@ -163,25 +206,27 @@ def test_adaptive_keeps_both_tiers_on_an_exact_tie() -> None:
         network_latency=0.0,
         network_bandwidth=4.0,
         prefill_tokens_per_s=4.0,
+        prefill_attention_seconds=0.0,
         l3_latency=0.0,
     )
     l2_tie = attrs.evolve(tie, host_to_device_bandwidth=2.0)  # L2: 4 / 2 = 2 s
-    assert l2_restore_seconds(l2_tie, 4) == receive_seconds(l2_tie, 4) == 2.0
-    assert choose_parts(l2_tie, 4, 0) == (4, 0)
+    assert l2_restore_seconds(l2_tie, 4) == overlap_seconds(l2_tie, 4, 0) == 2.0
+    assert choose_parts(l2_tie, 4, 0, prompt_tokens=4, device_pages=0) == (4, 0)
     l3_tie = attrs.evolve(tie, l3_bandwidth=4.0, host_to_device_bandwidth=4.0)  # L3: 1 + 1 = 2 s
-    assert l3_restore_seconds(l3_tie, 4) == receive_seconds(l3_tie, 4) == 2.0
-    assert choose_parts(l3_tie, 4, 4) == (4, 4)
+    assert l3_restore_seconds(l3_tie, 4) == overlap_seconds(l3_tie, 4, 0) == 2.0
+    assert choose_parts(l3_tie, 0, 4, prompt_tokens=4, device_pages=0) == (0, 4)
 
 
 @pytest.mark.parametrize("policy", ["eager", "confirmed"])
-def test_other_promises_keep_everything_below_break_even(policy: str) -> None:
+@pytest.mark.parametrize("factor", [ABOVE, BELOW])
+def test_other_promises_keep_everything_on_both_sides(policy: str, factor: float) -> None:
     cfg = attrs.evolve(
         BASE,
         promise=policy,
-        host_to_device_bandwidth=_l2_break_even_h2d(BASE) * BELOW,
-        l3_bandwidth=_l3_break_even_bandwidth(BASE) * BELOW,
+        host_to_device_bandwidth=_l2_break_even_h2d(BASE) * factor,
+        l3_bandwidth=_l3_break_even_bandwidth(BASE) * factor,
     )
-    assert choose_parts(cfg, L2_PAGES, L3_PAGES) == (L2_PAGES, L3_PAGES)
+    assert _choose(cfg, L2_PAGES, L3_PAGES) == (L2_PAGES, L3_PAGES)
 
 
 # --- the sim: a prefill node reads L3 or recomputes ------------------------------------------

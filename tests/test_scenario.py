@@ -20,7 +20,9 @@ from hicache.core.eviction import EVICTION_POLICIES
 from hicache.core.write_policy import WritePolicy
 from hicache.scenarios.build import build_workload
 from hicache.scenarios.scenario import (
+    ARRIVALS,
     BASELINES,
+    CLOSED_KINDS,
     GENERATORS,
     ROUTERS,
     SECTIONS,
@@ -111,7 +113,8 @@ def test_empty_document_is_every_default() -> None:
 @pytest.mark.parametrize("kind", sorted(GENERATORS))
 def test_every_generator_parameter_can_be_set(kind: str) -> None:
     names = tuple(f.name for f in attrs.fields(GENERATORS[kind]))
-    assert workload_keys(kind) == ("kind", "tenants", *names)
+    closed = ("arrivals", "clients") if kind in CLOSED_KINDS else ()
+    assert workload_keys(kind) == ("kind", "tenants", *closed, *names)
     defaults = {f.name: f.default for f in attrs.fields(GENERATORS[kind]) if f.name != "seed"}
     assert parse_scenario({"workload": {"kind": kind}}, "x").workload.generator_params() == defaults
 
@@ -357,6 +360,8 @@ FIELDS: dict[str, Spec] = {
     "seed": SIZE,
     "workload.kind": Spec(st.just("multiturn"), choice(WORKLOAD_KINDS).invalid),
     "workload.tenants": COUNT,
+    "workload.arrivals": Spec(st.just("closed"), choice(ARRIVALS).invalid),
+    "workload.clients": SIZE,
     "workload.conversations": COUNT,
     "workload.turns": COUNT,
     "workload.system_prompt": SIZE,
@@ -403,6 +408,7 @@ FIELDS: dict[str, Spec] = {
     "cluster.prefill_cache": BOOL,
     "cluster.max_running": COUNT,
     "cluster.decode_step_overhead": numbers(0),
+    "cluster.hicache_step_overhead": numbers(0),
     "cluster.tick_interval": numbers(0, above=True),
     "cache.page_size": COUNT,
     "cache.l1_tokens": SIZE,
@@ -436,6 +442,7 @@ KIND_OF = {
         f"workload.{k}": {"kind": "shared_prefix"} for k in ("groups", "prompts_per_group", "question_tokens")
     },
     **{f"workload.{k}": {"kind": "trace", "path": "t.jsonl"} for k in ("path", "time_scale", "limit")},
+    "workload.clients": {"arrivals": "closed"},  # a client cap means nothing to open arrivals
 }
 # Fields whose valid values never interact with another field's (extras of a fuzzed document).
 INDEPENDENT = sorted(
@@ -542,6 +549,8 @@ def test_valid_documents_round_trip(data: st.DataObject) -> None:
     doc.setdefault("workload", {})["kind"] = kind
     if kind == "trace":
         doc["workload"].setdefault("path", "t.jsonl")
+        if "think_time" in doc["workload"]:  # a trace's pause is for closed-loop sessions only
+            doc["workload"]["arrivals"] = "closed"
     try:
         scenario = parse_scenario(doc, SOURCE)
     except ScenarioError as exc:  # only the generators' own cross-parameter checks may refuse

@@ -118,6 +118,9 @@ class DecodeConfig:
     network_bandwidth: float = attrs.field(default=25e9, validator=_at_least(1))
     network_latency: float = attrs.field(default=50e-6, validator=_at_least(0))
     prefill_tokens_per_s: float = attrs.field(default=20000.0, validator=_at_least(1))
+    # Prefill's attention: seconds per (new token, earlier token) pair, on top of the linear
+    # rate above; 0: prefill time is linear in the tokens.
+    prefill_attention_seconds: float = attrs.field(default=0.0, validator=_finite_at_least(0))
 
     def __attrs_post_init__(self) -> None:
         if not self.radix and (self.storage or self.l2_pages):

@@ -472,8 +472,10 @@ class DecodeNodeCore:
 
     def _plan_l2(self, r: Request) -> None:
         """At admission: start loading the L2 span back at once (it overlaps the L3 query), or
-        give it up when the promise policy says receiving it is faster."""
-        l2, _ = choose_parts(self.cfg, r.host_pages, 0)
+        give it up when the promise policy says restoring it would delay the request."""
+        l2, _ = choose_parts(
+            self.cfg, r.host_pages, 0, prompt_tokens=r.prompt_len, device_pages=r.device_pages
+        )
         if l2 < r.host_pages and r.pin is not None:
             self.tree.unpin_host(r.pin)
             r.pin = None
@@ -490,7 +492,7 @@ class DecodeNodeCore:
         l3 = min(l3_hits, candidates) if l2 == r.host_pages else 0  # the promise is a prefix
         if l3 < max(1, cfg.prefetch_threshold_pages):
             l3 = 0  # below the threshold L3 is neither fetched nor promised
-        _, l3 = choose_parts(cfg, l2, l3)
+        _, l3 = choose_parts(cfg, l2, l3, prompt_tokens=r.prompt_len, device_pages=r.device_pages)
         host: list[int] | None = None
         if l3:
             host = self.host_pool.alloc(l3, r.owner)

@@ -2,7 +2,16 @@
 
 `eager` promises L1 + L2 + L3 as soon as the L3 hit is known and overlaps the restore with the
 transfer; `confirmed` promises L3 pages only once they are in L2; `adaptive` keeps a tier's part
-only where restoring it is estimated to be faster than receiving it from prefill.
+only where restoring it is estimated not to delay the request.
+
+A restore runs while prefill computes the prompt and ships the unpromised rest of it: prefill
+computes every prompt token its own cache lacks whatever the decode node promises, and the
+transfer starts when it is done. Without a tier's span the request waits for prefill plus the
+transfer of the whole remaining prompt (the span included); with it, for the longer of the
+restore and prefill plus a shorter transfer. So the span pays when its restore fits within
+prefill's time for the remaining prompt plus the transfer of all of it — the overlap window.
+Comparing the restore with the transfer of the same tokens alone would refuse restores that
+hide behind prefill (24% slower than `eager` in docs/validation.md study 3, before this rule).
 """
 
 from __future__ import annotations
@@ -11,13 +20,25 @@ from hicache.core.config import DecodeConfig
 from hicache.core.restore_cost import RestorePath, restore_pays
 
 
-def receive_seconds(cfg: DecodeConfig, tokens: int) -> float:
-    """Prefill computes the tokens and ships their KV over the P->D link."""
-    return (
-        cfg.network_latency
-        + tokens * cfg.kv_bytes_per_token / cfg.network_bandwidth
-        + tokens / (cfg.prefill_tokens_per_s)
-    )
+def prefill_seconds(cfg: DecodeConfig, tokens: int, context: int) -> float:
+    """Prefill computing `tokens` that follow `context` earlier ones: a linear rate plus
+    attention over every earlier token (the simulator's cost model has the same shape)."""
+    if tokens <= 0:
+        return 0.0
+    attended = tokens * context + tokens * (tokens - 1) / 2
+    return tokens / cfg.prefill_tokens_per_s + cfg.prefill_attention_seconds * attended
+
+
+def transfer_seconds(cfg: DecodeConfig, tokens: int) -> float:
+    """Shipping `tokens` of KV over the P->D link."""
+    return cfg.network_latency + tokens * cfg.kv_bytes_per_token / cfg.network_bandwidth
+
+
+def overlap_seconds(cfg: DecodeConfig, prompt_tokens: int, start: int) -> float:
+    """What a restore of the prompt from token `start` on hides behind: prefill computing the
+    rest of the prompt, then the transfer of all of it."""
+    rest = max(0, prompt_tokens - start)
+    return prefill_seconds(cfg, rest, start) + transfer_seconds(cfg, rest)
 
 
 def l2_path(cfg: DecodeConfig) -> RestorePath:
@@ -43,20 +64,25 @@ def l3_restore_seconds(cfg: DecodeConfig, tokens: int) -> float:
     return l3_path(cfg).seconds(tokens * cfg.kv_bytes_per_token)
 
 
-def choose_parts(cfg: DecodeConfig, l2_pages: int, l3_pages: int) -> tuple[int, int]:
-    """The L2 and L3 page counts to restore locally under the configured promise policy.
+def choose_parts(
+    cfg: DecodeConfig, l2_pages: int, l3_pages: int, *, prompt_tokens: int, device_pages: int
+) -> tuple[int, int]:
+    """The L2 and L3 page counts to restore locally under the configured promise policy, for a
+    prompt of `prompt_tokens` whose first `device_pages` pages are on L1 already.
 
     The promise is a prefix, so L3 pages (which follow the L2 span) are used only if the L2
-    span is."""
+    span is. Each span is weighed against the overlap window from where it starts."""
     if cfg.promise != "adaptive":
         return l2_pages, l3_pages
     p = cfg.page_size
+    start = device_pages * p
     if l2_pages and not restore_pays(
-        l2_restore_seconds(cfg, l2_pages * p), receive_seconds(cfg, l2_pages * p)
+        l2_restore_seconds(cfg, l2_pages * p), overlap_seconds(cfg, prompt_tokens, start)
     ):
         return 0, 0
+    start += l2_pages * p
     if l3_pages and not restore_pays(
-        l3_restore_seconds(cfg, l3_pages * p), receive_seconds(cfg, l3_pages * p)
+        l3_restore_seconds(cfg, l3_pages * p), overlap_seconds(cfg, prompt_tokens, start)
     ):
         l3_pages = 0
     return l2_pages, l3_pages
