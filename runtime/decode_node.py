@@ -35,6 +35,7 @@ and the time a frame or an idle connection may take (`runtime/limits.py`).
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import math
@@ -70,12 +71,22 @@ from hicache.runtime.kv_digest import page_digest
 from hicache.runtime.kv_layout import KVLayout
 from hicache.runtime.kv_pool import KVPool
 from hicache.runtime.limits import Gate, Limits, peer_name
-from hicache.runtime.model import TinyModel, from_pages, to_pages
+from hicache.runtime.model import TinyModel, from_pages
 from hicache.runtime.prefill_address import PrefillAddress
+from hicache.runtime.sampling_fields import check_sampling, draw, seed_for
 from hicache.runtime.storage.base import StorageBackend
 from hicache.runtime.transfer.base import TransferEngine
 
 log = logging.getLogger("hicache.runtime.decode")
+MOVED = (
+    "restore_batches",
+    "restore_bytes",
+    "prefetch_batches",
+    "prefetch_bytes",
+    "backup_bytes",
+    "transfer_bytes",
+)
+SCRATCH_PAGES = 64  # requests in one batched forward (a larger batch takes several)
 MAX_ECHOED_RID = 1024  # a refused request's id is echoed in the error when at most this long
 
 # What a broken or misbehaving control connection to prefill raises.
@@ -108,7 +119,6 @@ class _Live:
     gen: list[int] = attrs.Factory(list)
     kv_len: int = 0  # tokens whose KV is in the request's L1 pages
     slots: list[int] = attrs.Factory(list)  # its L1 pages while running (StartDecode + ExtendKV)
-    past: torch.Tensor | None = None  # the same KV, contiguous, for the model
     running: bool = False
     first_token_at: float = -1.0
     promised: int = -1
@@ -119,10 +129,27 @@ class _Live:
     outcome: str = ""
     reason: str = ""
     account: dict[str, int] = attrs.Factory(dict)
+    sampling: dict[str, Any] = attrs.Factory(dict)  # checked (`sampling.check`); prefill gets it too
+    stop_ids: frozenset[int] = frozenset()  # a generated token among these ends the request
+    finish_reason: str = ""  # "stop" (a stop token) or "length" (max_new), once Finished
+    changed: trio.Event = attrs.Factory(trio.Event)  # set (and replaced) when tokens are added
 
     @property
     def tokens(self) -> list[int]:
         return self.prompt + self.gen
+
+
+@attrs.define
+class _Step:
+    """One batched decode step: per request, its page table (the current page replaced by a
+    scratch page), the partial page to copy into the scratch page first, the position and
+    token, and how to draw the next token."""
+
+    tables: list[list[int]] = attrs.Factory(list)
+    copies: list[tuple[int, int, int] | None] = attrs.Factory(list)  # (page, scratch, positions)
+    positions: list[int] = attrs.Factory(list)
+    tokens: list[int] = attrs.Factory(list)
+    sampling: list[dict[str, Any]] = attrs.Factory(list)
 
 
 class DecodeService:
@@ -168,7 +195,9 @@ class DecodeService:
         self._prefill_peer: str | None = None  # the prefill engine's name, once a hello named it
         self.api_keys = api_keys
         self.abandoned = 0  # transfers given up on without a fence (their requests failed)
-        self.l1 = KVPool(layout, config.l1_pages, device=device, name="L1")
+        # Past the core's pages: the decode steps' scratch pages (`_step_plan`), never the core's.
+        self.l1 = KVPool(layout, config.l1_pages + SCRATCH_PAGES, device=device, name="L1")
+        self._scratch = list(range(config.l1_pages, config.l1_pages + SCRATCH_PAGES))
         self.l2 = KVPool(layout, max(config.l2_pages, 1), name="L2")
         self.region = engine.register("L1", self.l1.bytes_view())
         self.copies = CopyEngine(threads=1)
@@ -190,6 +219,8 @@ class DecodeService:
         self._compute = trio.CapacityLimiter(1)
         self.dispatch = Dispatcher(self.core, self._handlers(), "runtime decode node")
         self.refused_events = 0  # events the core refused (logged and dropped; the node went on)
+        # Bytes and batches moved, by kind (the `stats` op reports them for /metrics).
+        self.moved: collections.Counter[str] = collections.Counter()
 
     def _handlers(self) -> dict[type, Callable[[Any], None]]:
         """How each command is executed: I/O in its own task, batch changes at once."""
@@ -323,6 +354,8 @@ class DecodeService:
                         who = self._authenticate(msg, who, peer)
                         reply = {"op": "auth", "ok": True, "tenant": who.tenant, "admin": who.admin}
                         binary = b""
+                    elif msg["op"] == "generate" and who is not None:
+                        reply, binary = await self._generate(msg, who, reader, stream)
                     else:
                         reply, binary = await self._answer(msg, who)
                 except protocol.MessageError as exc:  # the frame was whole: answer it, go on
@@ -367,8 +400,6 @@ class DecodeService:
                 f"message {protocol.show(op)}: this node needs an API key: send "
                 "{'op': 'auth', 'api_key': ...} first"
             )
-        if op == "generate":
-            return await self._generate(msg, who)
         if op in ("evict", "idle", "stats", "audit") and not who.admin:
             raise protocol.MessageError(f"message {op!r}: needs an admin API key")
         if op == "evict":
@@ -381,10 +412,24 @@ class DecodeService:
                 await trio.sleep(self.tick_interval)
             return {"op": "idle", "ok": True}, b""
         if op == "stats":
-            return {"op": "stats", **attrs.asdict(self.core.stats)}, b""
+            return {"op": "stats", **attrs.asdict(self.core.stats), **self.gauges()}, b""
         if op == "audit":
             return {"op": "audit", **self.audit()}, b""
         return {"op": "error", "reason": f"unknown op {protocol.show(op)}"}, b""
+
+    def gauges(self) -> dict[str, int]:
+        """What the node holds and has moved now: requests by stage, pages per tier, bytes."""
+        audit = self.core.audit()
+        running = sum(live.running for live in self.live.values())
+        return {
+            "requests_running": running,
+            "requests_waiting": len(self.live) - running,
+            "l1_pages_used": self.cfg.l1_pages - audit["l1_free"],
+            "l1_pages": self.cfg.l1_pages,
+            "l2_pages_used": self.cfg.l2_pages - audit["l2_free"] if self.cfg.l2_pages else 0,
+            "l2_pages": self.cfg.l2_pages,
+            **{key: self.moved[key] for key in MOVED},
+        }
 
     def audit(self) -> dict[str, Any]:
         """What the node holds (slots by owner, locks, pins: `DecodeNodeCore.audit`), whether
@@ -400,9 +445,20 @@ class DecodeService:
             out["faults_caught"] = dict(sorted(self.faults.caught.items()))
         return out
 
-    async def _generate(self, msg: dict[str, Any], who: Principal) -> tuple[dict[str, Any], bytes]:
+    async def _generate(
+        self,
+        msg: dict[str, Any],
+        who: Principal,
+        reader: protocol.FrameReader,
+        stream: trio.SocketStream,
+    ) -> tuple[dict[str, Any], bytes]:
         """Check every field before anything is touched: a bad one is a `MessageError`. The
-        tenant is the API key's; only a node without keys lets the client name it."""
+        tenant is the API key's; only a node without keys lets the client name it.
+
+        While the request runs, the connection is watched: an `abort` naming it, or the client
+        going away (end of stream, a stream of tokens it no longer takes), aborts it in the
+        core, which frees everything it held. With `stream`, each new token goes out at once
+        in a `tokens` frame; the `result` comes last either way."""
         rid = protocol.text(msg, "rid")
         prompt = protocol.int_list(msg, "tokens", high=self.model.config.vocab)
         if not prompt:
@@ -419,18 +475,28 @@ class DecodeService:
             raise protocol.MessageError(
                 f"message 'generate': field 'tenant' is over {MAX_TENANT_CHARS} characters"
             )
-        if self.api_keys is not None:
+        if self.api_keys is not None and not who.admin:  # an admin (a front door) acts for tenants
             if tenant is not None and tenant != who.tenant:
                 raise protocol.MessageError(
                     "message 'generate': field 'tenant' differs from the tenant of this connection's API key"
                 )
             tenant = who.tenant
+        elif self.api_keys is not None and tenant is None:
+            tenant = who.tenant
         verify = protocol.field(msg, "verify", bool) if msg.get("verify") is not None else False
+        streaming = protocol.field(msg, "stream", bool) if msg.get("stream") is not None else False
+        sampling = check_sampling(msg.get("sampling"), self.model.config.vocab)
+        if sampling["seed"] is None:
+            sampling["seed"] = seed_for(rid)
         duplicate = {"op": "result", "rid": rid, "outcome": "failed", "reason": "duplicate request id"}
         if rid in self.live:
             return duplicate, b""
         seed = namespace_seed(self.model_name, tenant)
-        live = _Live(rid, prompt, max_new, seed, verify, self._now())
+        live = _Live(rid, prompt, max_new, seed, verify, self._now(), sampling=sampling)
+        stops = set(sampling.get("stop_token_ids", ()))
+        if not sampling.get("ignore_eos"):
+            stops |= set(getattr(self.model, "eos_token_ids", ()))
+        live.stop_ids = frozenset(stops)
         keys = page_keys(np.asarray(prompt, dtype=np.int64), self.cfg.page_size, seed).tolist()
         self.live[rid] = live
         try:
@@ -438,10 +504,16 @@ class DecodeService:
         except CoreError:  # the core still keeps an ended request of that id (I/O in flight)
             del self.live[rid]
             return duplicate, b""
-        await live.answer.wait()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._watch, live, reader)
+            if streaming:
+                nursery.start_soon(self._stream_tokens, live, stream)
+            await live.answer.wait()
+            nursery.cancel_scope.cancel()
         del self.live[rid]
         # The core drops it once no I/O refers to it any more.
         self._feed(ev.ForgetRequested(self._now(), rid))
+        self._log_request(live)
         reply = {
             "op": "result",
             "rid": rid,
@@ -451,11 +523,75 @@ class DecodeService:
             "ttft_s": live.first_token_at - live.arrival if live.first_token_at >= 0 else None,
             "e2e_s": self._now() - live.arrival,
             "promised_tokens": max(live.promised, 0),
+            "finish_reason": live.finish_reason or ("abort" if live.outcome == "aborted" else ""),
             "account": live.account,
             "start_pages": live.start_pages,
             "final_pages": live.final_pages,
         }
         return reply, live.start_kv
+
+    def _log_request(self, live: _Live) -> None:
+        """One line per request, with its tier account; a warning for a failure or a fallback."""
+        a = live.account
+        ttft = f"{live.first_token_at - live.arrival:.3f} s" if live.first_token_at >= 0 else "-"
+        line = (
+            f"request {protocol.show(live.rid)} {live.outcome}"
+            f"{' (' + live.finish_reason + ')' if live.finish_reason else ''}: "
+            f"{len(live.prompt)} prompt tokens, cached l1 {a.get('l1', 0)} l2 {a.get('l2', 0)} "
+            f"l3 {a.get('l3', 0)}, transferred {a.get('transferred', 0)}, "
+            f"fallback {a.get('fallback', 0)}; {len(live.gen)} tokens out, ttft {ttft}"
+        )
+        if live.outcome == "failed":
+            log.warning("%s; %s", line, live.reason)
+        elif a.get("fallback"):
+            log.warning("%s; %d tokens fell back to prefill (see the warnings above)", line, a["fallback"])
+        else:
+            log.info(line)
+
+    async def _watch(self, live: _Live, reader: protocol.FrameReader) -> None:
+        """Watch the client's connection while its request runs: an `abort` naming it, or the
+        end of the connection, aborts it. Any other frame (a request sent ahead) is left
+        unread, to be answered in its turn once this answer is out."""
+        while True:
+            try:
+                msg = await reader.peek()
+            except protocol.IdleTimeout:
+                continue  # a request in progress: the connection is not idle
+            except EOFError:
+                self._abort(live, "the client closed its connection")
+                return
+            except (protocol.ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError):
+                return  # the connection's own loop meets it next and answers it
+            if msg.get("op") == "abort" and msg.get("rid") == live.rid:
+                await reader.receive()
+                self._abort(live, "aborted by the client")
+            return
+
+    async def _stream_tokens(self, live: _Live, stream: trio.SocketStream) -> None:
+        """Send each token as soon as it exists; a client that does not take them is gone."""
+        sent = 0
+        while True:
+            changed = live.changed
+            if len(live.gen) > sent:
+                frame: dict[str, Any] = {"op": "tokens", "rid": live.rid, "tokens": live.gen[sent:]}
+                if not sent and live.account:  # where the prompt's KV came from, known at start
+                    frame["account"] = live.account
+                sent = len(live.gen)
+                try:
+                    await self.gate.send(stream, frame)
+                except (protocol.ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError):
+                    self._abort(live, "the client stopped reading its tokens")
+                    return
+            await changed.wait()
+
+    def _abort(self, live: _Live, reason: str) -> None:
+        if not live.answer.is_set():
+            log.info("request %s: %s; aborting it", protocol.show(live.rid), reason)
+            self._feed(ev.AbortRequested(self._now(), live.rid, reason))
+
+    def _tokens_added(self, live: _Live) -> None:
+        live.changed.set()
+        live.changed = trio.Event()
 
     # ------------------------------------------------------------------ feeding the core
 
@@ -518,6 +654,7 @@ class DecodeService:
         read in a worker thread is waited for), and reports pages as they land, so
         `PrefetchDone` is exact and comes after the last byte."""
         landed = 0
+        self.moved["prefetch_batches"] += 1
 
         def progress(pages: int) -> None:
             nonlocal landed
@@ -530,14 +667,18 @@ class DecodeService:
                 await self.checked.prefetched(c.host_slots, landed)
         finally:
             del self._prefetches[c.op]
+        self.moved["prefetch_bytes"] += landed * self.layout.page_bytes
         self._feed(ev.PrefetchDone(self._now(), c.op, landed))
 
     async def _load(self, c: cmd.LoadBack) -> None:
         failed = await self.checked.load(c)
+        self.moved["restore_batches"] += 1
+        self.moved["restore_bytes"] += (len(c.device_slots) - len(failed)) * self.layout.page_bytes
         self._feed(ev.LoadDone(self._now(), c.op, failed))
 
     async def _backup(self, c: cmd.Backup) -> None:
         failed = await self.checked.backup(c)
+        self.moved["backup_bytes"] += (len(c.device_slots) - len(failed)) * self.layout.page_bytes
         self._feed(ev.BackupDone(self._now(), c.op, failed))
 
     async def _store(self, c: cmd.Store) -> None:
@@ -589,6 +730,7 @@ class DecodeService:
             "tid": c.transfer,
             "tokens": live.tokens[:prompt_len],
             "namespace": live.seed,  # prefill reuses work only within one tenant's namespace
+            "sampling": live.sampling,  # prefill draws the first token as the decode node draws the rest
             "start": c.start,
             "end": end,
             "dst": dst,
@@ -636,10 +778,12 @@ class DecodeService:
         if reason:
             self._feed(ev.KVFailed(self._now(), c.req, c.transfer, reason))
             return
+        self.moved["transfer_bytes"] += len(dst) * self.layout.page_bytes
         for j, digest in enumerate(reply["digests"]):
             live.received[c.start // page + j] = digest
         if not live.gen:
             live.gen.append(int(reply["first_token"]))
+            self._tokens_added(live)
         self._feed(ev.KVArrived(self._now(), c.req, c.transfer))
 
     async def _send_control(self, tid: int, msg: dict[str, Any]) -> int:
@@ -795,9 +939,9 @@ class DecodeService:
         live = self.live[c.req]
         live.kv_len = c.prompt_len
         live.slots = list(c.device_slots)
+        live.account = attrs.asdict(c.account)
         slots = torch.tensor(c.device_slots, dtype=torch.int64)
         pages = self.l1.data[slots]
-        live.past = from_pages(pages.cpu(), live.kv_len)
         if live.first_token_at < 0:
             live.first_token_at = c.ready_at  # its KV was complete then; the batch may have been full
             page = self.cfg.page_size
@@ -813,7 +957,7 @@ class DecodeService:
                 for i in range(math.ceil(live.kv_len / page))
             ]
             if live.verify:
-                live.start_kv = live.past.contiguous().numpy().tobytes()
+                live.start_kv = from_pages(pages.cpu(), live.kv_len).contiguous().numpy().tobytes()
         live.received = {}
         live.running = True
         self._decode_wake.set()
@@ -826,7 +970,6 @@ class DecodeService:
     def _retract(self, c: cmd.Retract) -> None:
         live = self.live[c.req]
         live.running = False
-        live.past = None
         live.slots = []
 
     async def _decode_loop(self) -> None:
@@ -837,27 +980,58 @@ class DecodeService:
                 await self._decode_wake.wait()
                 self._decode_wake = trio.Event()
                 continue
-            done = [x for x in batch if len(x.gen) >= x.max_new]
-            for live in done:
+            for live in batch:
+                if live.gen and live.gen[-1] in live.stop_ids:
+                    live.finish_reason = "stop"
+                elif len(live.gen) >= live.max_new:
+                    live.finish_reason = "length"
+                else:
+                    continue
                 live.running = False
                 self._feed(ev.Finished(self._now(), live.rid))
             batch = [x for x in batch if x.running]
             if not batch:
                 continue
-            steps = await trio.to_thread.run_sync(self._steps, batch, limiter=self._compute)
-            for live, (kv, token) in zip(batch, steps, strict=True):
-                if live.running:
-                    self._advance(live, kv, token)
+            for first in range(0, len(batch), len(self._scratch)):
+                part = batch[first : first + len(self._scratch)]
+                step = self._step_plan(part)
+                tokens = await trio.to_thread.run_sync(self._step, step, limiter=self._compute)
+                for live, scratch, token in zip(part, self._scratch, tokens, strict=False):
+                    if live.running:
+                        self._advance(live, scratch, token)
 
-    def _steps(self, batch: list[_Live]) -> list[tuple[torch.Tensor, int]]:
-        out = []
-        for live in batch:
-            token = live.tokens[live.kv_len]
-            out.append(self.model.decode_step(token, live.past))
-        return out
+    def _step_plan(self, batch: list[_Live]) -> _Step:
+        """What one batched step reads, taken on the event loop (slots change only here).
 
-    def _advance(self, live: _Live, kv: torch.Tensor, token: int) -> None:
-        """The step's token KV exists: tell the core (it grants the page), then write it there."""
+        Each request's current page is stood in for by a scratch page of its own, which the
+        step copies the page's earlier positions into and writes the new position's K/V into:
+        the step never writes a page the core owns, so a request aborted meanwhile (its pages
+        freed and maybe reused) loses nothing but its own result. `_advance` copies the new K/V
+        into the request's page once the core has granted it."""
+        page = self.cfg.page_size
+        step = _Step()
+        for live, scratch in zip(batch, self._scratch, strict=False):
+            pos = live.kv_len
+            full, offset = divmod(pos, page)
+            step.copies.append((live.slots[full], scratch, offset) if offset else None)
+            step.tables.append([*live.slots[:full], scratch])
+            step.positions.append(pos)
+            step.tokens.append(live.tokens[pos])
+            step.sampling.append(live.sampling)
+        return step
+
+    def _step(self, step: _Step) -> list[int]:
+        """One forward for the whole batch (in a worker thread), and the next token of each."""
+        data = self.l1.data
+        for copy in step.copies:
+            if copy is not None:
+                src, dst, offset = copy
+                data[dst, :, :, :offset] = data[src, :, :, :offset]
+        logits = self.model.decode_batch(data, step.tables, step.positions, step.tokens)
+        return draw(logits, step.sampling, [p + 1 for p in step.positions])
+
+    def _advance(self, live: _Live, scratch: int, token: int) -> None:
+        """The step's token KV exists: tell the core (it grants the page), then copy it there."""
         page = self.cfg.page_size
         pos = live.kv_len
         seq = live.tokens
@@ -870,22 +1044,21 @@ class DecodeService:
             # Retracted by its own growth: this step's KV got no page, but its token stands; on
             # resume the token at `pos` is part of the prompt whose KV prefill or the cache gives.
             live.gen.append(token)
+            self._tokens_added(live)
             return
         slot = live.slots[pos // page]  # granted by an ExtendKV while the core took the Decoded
-        self.l1.data[slot, :, :, pos % page] = kv[:, :, 0].to(self.l1.data.dtype)
-        live.past = torch.cat([live.past, kv], dim=2)  # type: ignore[list-item]
+        self.l1.data[slot, :, :, pos % page] = self.l1.data[scratch, :, :, pos % page]
         live.kv_len = pos + 1
         live.gen.append(token)
+        self._tokens_added(live)
 
     def _respond(self, c: cmd.Respond) -> None:
         live = self.live[c.req]
         live.account = attrs.asdict(c.account)
         live.outcome, live.reason = str(c.outcome), c.reason
-        if c.outcome == "finished" and live.past is not None:
-            live.final_pages = [
-                page_digest(p)
-                for p in to_pages(live.past, self.cfg.page_size)[: live.kv_len // self.cfg.page_size]
-            ]
+        if c.outcome == "finished" and live.kv_len:
+            full = live.slots[: live.kv_len // self.cfg.page_size]  # the tree's now, unchanged yet
+            live.final_pages = [page_digest(p) for p in self.l1.data[torch.tensor(full, dtype=torch.int64)]]
         live.running = False
         live.slots = []
         live.answer.set()

@@ -39,7 +39,7 @@ from hicache.runtime.faults import FaultyStore
 from hicache.runtime.kv_layout import KVLayout
 from hicache.runtime.limits import Limits
 from hicache.runtime.malloc_tuning import DEFAULT_MMAP_THRESHOLD, pin_mmap_threshold
-from hicache.runtime.model import TinyConfig, TinyModel
+from hicache.runtime.model import LlamaConfig, LlamaModel, TinyConfig, TinyModel
 from hicache.runtime.peer_auth import AuthError
 from hicache.runtime.prefill_address import PrefillAddress, advertised, write
 from hicache.runtime.prefill_node import PrefillNode
@@ -92,8 +92,26 @@ def _startup_error_unwrapped() -> Iterator[None]:
         raise
 
 
-def layout_for(model: TinyConfig, page_size: int) -> KVLayout:
+def layout_for(model: LlamaConfig, page_size: int) -> KVLayout:
     return KVLayout(model.layers, model.kv_heads, model.head_dim, page_size, model.dtype)
+
+
+ModelSpec = TinyConfig | str  # the seeded tiny model, or "default" / a GGUF file / an HF folder
+
+
+def build_model(spec: ModelSpec) -> tuple[LlamaModel, str]:
+    """The model a node computes with, and the name its page keys are salted with (pages of
+    two models never share a key). A model that cannot be loaded is a `StartupError`."""
+    if isinstance(spec, TinyConfig):
+        return TinyModel(spec), "tiny"
+    from hicache.runtime.llm.loader import load_model
+
+    try:
+        loaded = load_model(None if spec == "default" else Path(spec))
+    except (OSError, ValueError) as exc:
+        raise StartupError(f"--model {spec}: cannot load it ({exc})") from exc
+    config = loaded.model.config
+    return loaded.model, f"{config.name or loaded.source.name}:{config.weights[:16]}"
 
 
 def make_engine(kind: str, name: str, secret: ClusterSecret) -> TransferEngine:
@@ -118,7 +136,7 @@ class PrefillOptions:
     host: str = "127.0.0.1"
     engine: str = "tcp"
     page_size: int = 16
-    model: TinyConfig = TinyConfig()
+    model: ModelSpec = TinyConfig()
     staging_pages: int = 1024
     mmap_threshold: int = DEFAULT_MMAP_THRESHOLD  # 0: leave glibc's adaptive threshold
     limits: Limits = Limits()
@@ -133,9 +151,8 @@ class DecodeOptions:
     port: int = 0
     host: str = "127.0.0.1"
     engine: str = "tcp"
-    model: TinyConfig = TinyConfig()
+    model: ModelSpec = TinyConfig()
     storage_dir: Path | None = None  # None: an in-memory L3
-    model_name: str = "tiny"
     tick_interval: float = 0.002
     faults: FaultSpec | None = None  # injected into the node's own operations
     mmap_threshold: int = DEFAULT_MMAP_THRESHOLD  # 0: leave glibc's adaptive threshold
@@ -167,10 +184,11 @@ async def _until_signal(cancel: trio.CancelScope) -> None:
 async def run_prefill(opts: PrefillOptions) -> None:
     secret = _secret(opts.secret_file)
     engine = make_engine(opts.engine, f"prefill-{opts.engine}-{os.getpid()}", secret)
+    model, _ = build_model(opts.model)
     async with engine, trio.open_nursery() as nursery:
         node = PrefillNode(
-            TinyModel(opts.model),
-            layout_for(opts.model, opts.page_size),
+            model,
+            layout_for(model.config, opts.page_size),
             engine,
             staging_pages=opts.staging_pages,
             limits=opts.limits,
@@ -238,7 +256,8 @@ def _prefill_flag(prefill: PrefillAddress | tuple[str, int]) -> str:
 
 
 async def run_decode(opts: DecodeOptions) -> None:
-    layout = layout_for(opts.model, opts.core.page_size)
+    model, model_name = build_model(opts.model)
+    layout = layout_for(model.config, opts.core.page_size)
     try:
         store = FileStore(opts.storage_dir, layout) if opts.storage_dir is not None else MemoryStore(layout)
     except OSError as exc:  # not a folder, not writable
@@ -256,11 +275,11 @@ async def run_decode(opts: DecodeOptions) -> None:
     async with engine, trio.open_nursery() as nursery:
         service = DecodeService(
             opts.core,
-            TinyModel(opts.model),
+            model,
             layout,
             store,
             engine,
-            model_name=opts.model_name,
+            model_name=model_name,
             tick_interval=opts.tick_interval,
             faults=opts.faults,
             limits=opts.limits,

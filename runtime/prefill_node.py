@@ -31,6 +31,7 @@ import logging
 import math
 from collections import OrderedDict, deque
 from collections.abc import Sequence
+from typing import Any
 
 import attrs
 import numpy as np
@@ -43,7 +44,8 @@ from hicache.runtime.kv_digest import page_digests
 from hicache.runtime.kv_layout import KVLayout
 from hicache.runtime.kv_pool import KVPool
 from hicache.runtime.limits import Gate, Limits, peer_name
-from hicache.runtime.model import TinyModel, to_pages
+from hicache.runtime.model import LlamaModel, to_pages
+from hicache.runtime.sampling_fields import check_sampling, draw
 from hicache.runtime.transfer.base import TransferEngine, XferState
 
 
@@ -77,6 +79,20 @@ SETTLE_TIMEOUT_S = 30.0  # how long a reply waits for its WRITE to settle before
 CANCELLED_MEMORY = 4096  # cancels of transfers not yet seen, remembered per node
 
 
+@attrs.frozen(eq=False)
+class _Memo:
+    """A remembered prompt: its namespace, tokens, KV and last logits."""
+
+    namespace: int
+    ids: np.ndarray
+    kv: torch.Tensor
+    logits: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
+
+
 @attrs.define(eq=False)
 class _InFlight:
     """A `kv` request being served: `cancel` cancels `scope` and waits for `ended`."""
@@ -88,12 +104,13 @@ class _InFlight:
 class PrefillNode:
     def __init__(
         self,
-        model: TinyModel,
+        model: LlamaModel,
         layout: KVLayout,
         engine: TransferEngine,
         *,
         staging_pages: int = 1024,
         remember: int = 32,
+        remember_bytes: int = 512 << 20,
         transfer_timeout: float = 30.0,
         limits: Limits | None = None,
         secret: ClusterSecret | None = None,
@@ -111,7 +128,10 @@ class PrefillNode:
         self.secret = secret if secret is not None else ClusterSecret.load()
         self._peer_connections: dict[str, int] = {}  # engine name -> its live control connections
         self._remember = remember
-        self._recent: OrderedDict[bytes, tuple[torch.Tensor, int]] = OrderedDict()
+        self._remember_bytes = remember_bytes
+        self._recent: OrderedDict[bytes, _Memo] = OrderedDict()
+        self._recent_bytes = 0
+        self.reused_tokens = 0  # prompt tokens whose KV came from a remembered prompt
         self._compute = trio.CapacityLimiter(1)
         self.computed_tokens = 0
         self.requests = 0
@@ -302,7 +322,8 @@ class PrefillNode:
             first_page, last_page = start // page, math.ceil(end / page)
             if len(dst) != last_page - first_page:
                 raise ValueError(f"{len(dst)} destination pages for pages {first_page}..{last_page - 1}")
-            kv, first_token = await self._kv(tokens, namespace)
+            sampling = check_sampling(msg.get("sampling"), self.model.config.vocab)
+            kv, first_token = await self._kv(tokens, namespace, sampling)
             digests = await self._send(kv, first_page, last_page, peer, dst, f"kv:{tid}".encode())
             reply.update(ok=True, first_token=first_token, digests=digests)
         except protocol.MessageError as exc:  # a bad field: the reason names it
@@ -313,28 +334,58 @@ class PrefillNode:
             log.warning("kv %s from %s failed: %s", protocol.show(tid), protocol.show(peer), reply["reason"])
         await self._answer(stream, lock, peer, reply)
 
-    async def _kv(self, tokens: Sequence[int], namespace: int) -> tuple[torch.Tensor, int]:
+    async def _kv(
+        self, tokens: Sequence[int], namespace: int, sampling: dict[str, Any]
+    ) -> tuple[torch.Tensor, int]:
         """The prompt's KV (all of it: attention needs every earlier token) and its first output.
 
-        Recent prompts are remembered per namespace (model and tenant, `namespace_seed`): a
-        tenant never gets another tenant's prompt back faster than a new one, so the memo is no
-        timing channel between tenants."""
-        salt = namespace.to_bytes(8, "little")
-        key = hashlib.blake2b(
-            np.asarray(tokens, dtype=np.int64).tobytes(), digest_size=16, salt=salt
-        ).digest()
+        Recent prompts are remembered per namespace (model and tenant, `namespace_seed`), up to
+        `remember_bytes` of KV: a prompt that extends a remembered one (the next turn of a
+        conversation) computes only its new tokens. A tenant never reuses another tenant's
+        work, so the memo is no timing channel between tenants."""
+        ids = np.asarray(tokens, dtype=np.int64)
+        key = hashlib.blake2b(ids.tobytes(), digest_size=16, salt=namespace.to_bytes(8, "little")).digest()
         hit = self._recent.get(key)
         if hit is not None:
             self._recent.move_to_end(key)
-            return hit
-        tensor = torch.tensor(tokens, dtype=torch.int64)
-        kv, first = await trio.to_thread.run_sync(self.model.prefill, tensor, limiter=self._compute)
-        self.computed_tokens += len(tokens)
-        self.requests += 1
-        self._recent[key] = (kv, first)
-        while len(self._recent) > self._remember:
-            self._recent.popitem(last=False)
+            kv, logits = hit.kv, hit.logits
+        else:
+            past, start = self._longest_prefix(namespace, ids)
+            tensor = torch.tensor(ids[start:], dtype=torch.int64)
+            new, logits = await trio.to_thread.run_sync(
+                self.model.forward, tensor, past, limiter=self._compute
+            )
+            kv = new if past is None else torch.cat((past, new), dim=2)
+            self.computed_tokens += len(ids) - start
+            self.reused_tokens += start
+            self.requests += 1
+            self._remember_prompt(key, _Memo(namespace, ids, kv, logits))
+        # The first token is drawn here as the decode node draws the rest (`sampling_fields`).
+        (first,) = draw(logits[None, :], [sampling], [len(tokens)])
         return kv, first
+
+    def _longest_prefix(self, namespace: int, ids: np.ndarray) -> tuple[torch.Tensor | None, int]:
+        """The KV of the longest remembered prompt of `namespace` that `ids` extends."""
+        best: _Memo | None = None
+        for memo in self._recent.values():
+            n = len(memo.ids)
+            if (
+                memo.namespace == namespace
+                and n < len(ids)
+                and (best is None or n > len(best.ids))
+                and np.array_equal(memo.ids, ids[:n])
+            ):
+                best = memo
+        return (None, 0) if best is None else (best.kv, len(best.ids))
+
+    def _remember_prompt(self, key: bytes, memo: _Memo) -> None:
+        self._recent[key] = memo
+        self._recent_bytes += memo.nbytes
+        while self._recent and (
+            self._recent_bytes > self._remember_bytes or len(self._recent) > self._remember
+        ):
+            _, old = self._recent.popitem(last=False)
+            self._recent_bytes -= old.nbytes
 
     async def _send(
         self, kv: torch.Tensor, first: int, last: int, peer: str, dst: list[int], notif: bytes

@@ -111,8 +111,11 @@ class FrameReader:
         self.idle_timeout = math.inf if idle_timeout is None else idle_timeout
         self.budget = budget
         self._buf = bytearray()
+        self._peeked: tuple[dict[str, Any], bytes] | BaseException | None = None
 
-    async def _exactly(self, n: int, what: str) -> bytes:
+    async def _fill(self, n: int, what: str) -> None:
+        """Buffer at least `n` bytes, consuming none: a read cancelled half-way (a request's
+        watcher that stops when its answer is ready) leaves the frame whole for the next one."""
         while len(self._buf) < n:
             chunk = await self.stream.receive_some(min(max(65536, n - len(self._buf)), READ_CHUNK))
             if not chunk:
@@ -120,12 +123,33 @@ class FrameReader:
                     raise EOFError("the peer closed the connection")
                 raise ProtocolError(f"the peer closed the connection inside a frame's {what}")
             self._buf += chunk
-        out = bytes(self._buf[:n])
-        del self._buf[:n]
-        return out
+
+    async def peek(self) -> dict[str, Any]:
+        """The next frame's JSON, left to be received (what `receive` would raise is raised
+        now and again by `receive`, an idle timeout aside): a node watches a connection while
+        it answers a request, and takes only an `abort` of it, leaving anything else to its
+        turn."""
+        if self._peeked is None:
+            try:
+                self._peeked = await self._receive()
+            except IdleTimeout:
+                raise  # nothing of a frame was read: nothing to keep
+            except (ProtocolError, EOFError) as exc:
+                self._peeked = exc
+        if isinstance(self._peeked, BaseException):
+            raise self._peeked
+        return self._peeked[0]
 
     async def receive(self) -> tuple[dict[str, Any], bytes]:
         """The next frame; `EOFError` at a clean end of stream between frames."""
+        peeked, self._peeked = self._peeked, None
+        if isinstance(peeked, BaseException):
+            raise peeked
+        if peeked is not None:
+            return peeked
+        return await self._receive()
+
+    async def _receive(self) -> tuple[dict[str, Any], bytes]:
         if not self._buf:
             with trio.move_on_after(self.idle_timeout) as idle:
                 chunk = await self.stream.receive_some(65536)
@@ -142,7 +166,8 @@ class FrameReader:
         return got
 
     async def _frame(self) -> tuple[dict[str, Any], bytes]:
-        magic, version, n_json, n_bin = _HEAD.unpack(await self._exactly(_HEAD.size, "header"))
+        await self._fill(_HEAD.size, "header")
+        magic, version, n_json, n_bin = _HEAD.unpack(self._buf[: _HEAD.size])
         if magic != MAGIC:
             raise ProtocolError(f"bad frame magic {magic!r}, expected {MAGIC!r}")
         if version != VERSION:
@@ -156,11 +181,14 @@ class FrameReader:
         if budget is not None and (why := budget.take(size)):
             raise ProtocolError(why)
         try:
-            body = await self._exactly(n_json, "JSON")
-            binary = await self._exactly(n_bin, "binary") if n_bin else b""
+            await self._fill(_HEAD.size + n_json, "JSON")
+            await self._fill(_HEAD.size + size, "binary")
         finally:
             if budget is not None:
                 budget.give(size)
+        body = bytes(self._buf[_HEAD.size : _HEAD.size + n_json])
+        binary = bytes(self._buf[_HEAD.size + n_json : _HEAD.size + size])
+        del self._buf[: _HEAD.size + size]
         try:
             obj = json.loads(body)
         except RecursionError:

@@ -11,6 +11,7 @@ structure as the scenario describes.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import math
@@ -92,7 +93,13 @@ class Replayer:
                 tokens = actual + tokens[scenario_len:]
         return tokens
 
-    async def run(self, items: Sequence[WorkItem], *, sequential: bool, time_scale: float) -> ReplayResult:
+    async def run(
+        self, items: Sequence[WorkItem], *, sequential: bool, time_scale: float, clients: int = 0
+    ) -> ReplayResult:
+        """Replay `items`: one at a time (`sequential`), or each session's chain on its own
+        connection — open loop at the items' arrival times, or closed loop where an item has a
+        `think` (sent that long after its session's previous answer, with at most `clients`
+        sessions open at once; 0: no limit). `time_scale` scales every wait."""
         start = time.perf_counter()
         t0 = trio.current_time()
         if sequential:
@@ -107,20 +114,28 @@ class Replayer:
             chains: dict[str, list[WorkItem]] = {}
             for item in items:
                 chains.setdefault(item.session or f"request/{item.id}", []).append(item)
+            seats = trio.CapacityLimiter(clients) if clients > 0 else None
             async with trio.open_nursery() as nursery:
                 for chain in chains.values():
-                    nursery.start_soon(self._chain, chain, t0, time_scale)
+                    nursery.start_soon(self._chain, chain, t0, time_scale, seats)
         self.records.sort(key=lambda r: (r.arrival, r.id))
         return ReplayResult(self.records, self.problems, time.perf_counter() - start, self.verified)
 
-    async def _chain(self, chain: list[WorkItem], t0: float, time_scale: float) -> None:
-        client = await DecodeClient.connect(self.host, self.port)
-        try:
-            for item in chain:
-                await trio.sleep_until(t0 + item.arrival * time_scale)
-                await self._one(client, item)
-        finally:
-            await client.aclose()
+    async def _chain(
+        self, chain: list[WorkItem], t0: float, time_scale: float, seats: trio.CapacityLimiter | None
+    ) -> None:
+        await trio.sleep_until(t0 + chain[0].arrival * time_scale)
+        async with seats if seats is not None else contextlib.nullcontext():  # a client's seat
+            client = await DecodeClient.connect(self.host, self.port)
+            try:
+                for n, item in enumerate(chain):
+                    if n and item.think is not None:  # closed loop: after the previous answer
+                        await trio.sleep(item.think * time_scale)
+                    elif n:
+                        await trio.sleep_until(t0 + item.arrival * time_scale)
+                    await self._one(client, item)
+            finally:
+                await client.aclose()
 
     async def _one(self, client: DecodeClient, item: WorkItem) -> None:
         prompt = self.prompt_of(item)

@@ -192,7 +192,9 @@ def _run(
                 progress=bar.update,
             )
             run.started = time.perf_counter()
-            run.result = await run.replayer.run(items, sequential=sequential, time_scale=time_scale)
+            run.result = await run.replayer.run(
+                items, sequential=sequential, time_scale=time_scale, clients=scenario.workload.clients
+            )
         finally:
             bar.close()
         run.audit = await decode_audit(decode.port)

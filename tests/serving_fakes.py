@@ -41,16 +41,20 @@ class ByteCodec:
 @attrs.define
 class FakeBackend:
     """Answers each prompt with its own tokens, cycled (so the output text is the prompt's
-    text again), `delay_s` apart. EOS after `eos_after` tokens unless ignore_eos. Cached
-    tokens: the longest prefix shared with an earlier prompt, all of it "l1" (cleared by
-    flush). `refuse`: answer every request with Finished("abort", refuse). Records what it
-    saw: `requests`, `aborted` and `finished` rids, and `active` ones."""
+        text again), `delay_s` apart. EOS after `eos_after` tokens unless ignore_eos. Cached
+        tokens: the longest prefix shared with an earlier prompt, all of it "l1" (cleared by
+        flush). `refuse`: answer every request with Finished("abort", refuse); `fail_after`: raise
+    RuntimeError after that many tokens (a backend bug). Records what it
+        saw: `requests`, `aborted` and `finished` rids, and `active` ones."""
 
     max_context: int = 4096
     delay_s: float = 0.0
     eos_after: int | None = None
     refuse: str | None = None
-    stats_value: dict[str, float] = attrs.field(factory=lambda: {"queue_waiting": 0.0, "pool_l1_used_pages": 3.0})
+    fail_after: int | None = None
+    stats_value: dict[str, float] = attrs.field(
+        factory=lambda: {"queue_waiting": 0.0, "pool_l1_used_pages": 3.0}
+    )
     requests: list[GenerateRequest] = attrs.field(factory=list)
     aborted: list[str] = attrs.field(factory=list)
     finished: list[str] = attrs.field(factory=list)
@@ -93,6 +97,8 @@ class FakeBackend:
                 return
             for n in range(req.max_new_tokens):
                 await trio.sleep(self.delay_s)
+                if n == self.fail_after:
+                    raise RuntimeError("the fake broke")
                 if self.eos_after is not None and n == self.eos_after and not req.sampling.ignore_eos:
                     yield Tokens([EOS])
                     done = True
@@ -104,7 +110,9 @@ class FakeBackend:
                     done = True
                     yield Finished("stop", "", len(req.input_ids), cached, 0.0)
                     return
-                yield Tokens([token])
+                # The tier account rides on the first token, so a request the front door
+                # ends early (a stop string) still reports its hits.
+                yield Tokens([token], cached if n == 0 else None)
             done = True
             yield Finished("length", "", len(req.input_ids), cached, 0.0)
         finally:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 
 import attrs
 import pytest
@@ -11,6 +10,7 @@ import torch
 from builders import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch_helpers import one_thread, rel_err  # noqa: F401  (a fixture)
 
 from hicache.runtime.model import TinyConfig, TinyModel, from_pages, greedy_token, to_pages
 
@@ -18,19 +18,7 @@ CONFIG = TinyConfig()
 MODEL = TinyModel(CONFIG)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    """The tensors here are tiny: handing them to intra-op threads costs more than it saves, much more
-    on a busy machine. Restored afterwards, so other modules keep their setting."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    assert a.shape == b.shape, (a.shape, b.shape)
-    return float((a - b).abs().max() / b.abs().max())
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def random_tokens(n: int, seed: int, vocab: int = CONFIG.vocab) -> torch.Tensor:

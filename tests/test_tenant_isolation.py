@@ -237,3 +237,22 @@ async def test_prefill_reuses_a_prompt_only_within_its_tenant(tmp_path: Path) ->
             reply, _ = await pair.client.generate("a1", tokens, 2, tenant="a")
         assert reply["outcome"] == "finished"
         assert pair.prefill.requests == 3  # the same tenant's repeat is remembered
+
+
+async def test_prefill_computes_only_what_extends_a_prompt_of_the_same_tenant(tmp_path: Path) -> None:
+    """The next turn of a conversation extends the last prompt: prefill computes only the new
+    tokens (its KV checked against a monolithic pass by the ledger), and never reuses another
+    tenant's prompt for it."""
+    async with node_pair(tmp_path, storage=False) as pair:
+        first = list(range(40, 40 + 2 * PAIR_PAGE + 5))
+        longer = first + list(range(200, 200 + PAIR_PAGE + 3))
+        with trio.fail_after(GUARD_S):
+            for rid, tokens, tenant in (("a0", first, "a"), ("b1", longer, "b"), ("a1", longer, "a")):
+                before = (pair.prefill.computed_tokens, pair.prefill.reused_tokens)
+                reply, kv = await pair.client.generate(rid, tokens, 2, verify=True, tenant=tenant)
+                assert pair.ledger.check(tokens, 2, reply, kv, tenant=tenant) == [], reply["reason"]
+                done = (pair.prefill.computed_tokens - before[0], pair.prefill.reused_tokens - before[1])
+                if rid == "a1":
+                    assert done == (len(longer) - len(first), len(first))  # only the new tokens
+                else:
+                    assert done == (len(tokens), 0)  # a first prompt, or another tenant's

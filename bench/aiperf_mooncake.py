@@ -1,0 +1,147 @@
+"""AIPerf, unmodified, against `hicache serve`: a slice of Mooncake's conversation trace scaled to
+the small model, replayed through the OpenAI chat endpoint with streaming, so the trace's prefix
+reuse reaches the decode node's cache through the real API.
+
+AIPerf runs from its own virtualenv (`bench/.venvs/aiperf`, created with `pip install
+aiperf==0.13.0` on first use; it is not a dependency of the project). It needs a tokenizer it can
+load offline: the model's, exported by `hicache serve --export-tokenizer` and laid out as a
+Hugging Face cache entry (AIPerf 0.13 resolves a plain folder as a hub id inside its Mooncake
+prompt workers). The slice keeps each line's `hash_ids` and its timestamps divided by
+`--speedup` (AIPerf replays a mooncake_trace on its own clock), and AIPerf builds each prompt
+from `--block-size` tokens per id (the trace's ids stand for 512-token blocks; 32 keeps prompts
+within what the model computes quickly on a CPU).
+Prints AIPerf's TTFT / ITL / request latency summary beside the front door's /metrics: requests,
+prompt tokens, and cached tokens by tier.
+
+    .venv/bin/python bench/aiperf_mooncake.py [--lines 40] [--block-size 32] [--speedup 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import httpx2 as httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+ROOT = Path(__file__).resolve().parent.parent
+TRACE = ROOT.parent / "shared" / "traces" / "conversation_trace.jsonl"
+VENV = ROOT / "bench" / ".venvs" / "aiperf"
+AIPERF = "aiperf==0.13.0"
+REPO = "hicache/SmolLM2-135M-Instruct"
+
+
+def aiperf() -> Path:
+    exe = VENV / "bin" / "aiperf"
+    if not exe.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
+        subprocess.run([str(VENV / "bin" / "pip"), "install", "-q", AIPERF], check=True)
+    return exe
+
+
+def tokenizer_cache(home: Path) -> None:
+    """The model's tokenizer as a Hugging Face cache entry for `REPO`, under `home`."""
+    org, name = REPO.split("/")
+    entry = home / "hub" / f"models--{org}--{name}"
+    revision = hashlib.sha1(REPO.encode()).hexdigest()
+    snapshot = entry / "snapshots" / revision
+    subprocess.run(
+        [sys.executable, "-m", "hicache", "serve", "--export-tokenizer", str(snapshot)],
+        check=True,
+        capture_output=True,
+    )
+    (entry / "refs").mkdir(parents=True, exist_ok=True)
+    (entry / "refs" / "main").write_text(revision)
+
+
+def trace_slice(out: Path, lines: int, block: int, max_output: int, speedup: float) -> dict[str, int]:
+    """The first `lines` requests, their lengths scaled from 512-token blocks to `block`."""
+    rows = []
+    with TRACE.open() as f:
+        for _, line in zip(range(lines), f, strict=False):
+            r = json.loads(line)
+            ids = r["hash_ids"]
+            last = r["input_length"] - 512 * (len(ids) - 1)
+            r["input_length"] = block * (len(ids) - 1) + max(1, min(block, round(last * block / 512)))
+            r["output_length"] = max(1, min(max_output, r["output_length"]))
+            r["timestamp"] = round(r["timestamp"] / speedup)  # AIPerf replays mooncake_trace in real time
+            rows.append(r)
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    seen: set[int] = set()
+    reused = 0
+    for r in rows:
+        for i in r["hash_ids"]:
+            reused += block if i in seen else 0
+            seen.add(i)
+    return {
+        "requests": len(rows),
+        "input_tokens": sum(r["input_length"] for r in rows),
+        "ideal_reused": reused,
+    }
+
+
+def metrics(url: str) -> dict[str, float]:
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name.endswith("_total") or s.name.startswith("hicache_backend_"):
+                label = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+                out[f"{s.name}{{{label}}}" if label else s.name] = s.value
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--lines", type=int, default=40)
+    ap.add_argument("--block-size", type=int, default=32)
+    ap.add_argument("--max-output", type=int, default=16)
+    ap.add_argument("--speedup", type=float, default=20.0, help="trace time / replay time")
+    ap.add_argument("--artifacts", type=Path, default=ROOT / "out" / "aiperf")
+    args = ap.parse_args()
+    exe = aiperf()
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        tokenizer_cache(work / "hf")
+        ideal = trace_slice(work / "slice.jsonl", args.lines, args.block_size, args.max_output, args.speedup)
+        serve = subprocess.Popen(
+            [sys.executable, "-m", "hicache", "serve", "--storage-dir", str(work / "l3")],
+            stdout=subprocess.PIPE,
+            stderr=(work / "serve.log").open("w"),
+            text=True,
+        )
+        try:
+            assert serve.stdout is not None
+            ready = json.loads(serve.stdout.readline())
+            url, model = ready["url"], ready["model"]
+            env = {**os.environ, "HF_HOME": str(work / "hf"), "HF_HUB_OFFLINE": "1"}
+            cmd = [str(exe), "profile", "--model", model, "--url", url, "--endpoint-type", "chat"]
+            cmd += ["--streaming", "--tokenizer", REPO, "--custom-dataset-type", "mooncake_trace"]
+            cmd += ["--input-file", str(work / "slice.jsonl"), "--fixed-schedule"]
+            cmd += ["--prompt-input-tokens-block-size", str(args.block_size)]
+            cmd += ["--output-artifact-dir", str(args.artifacts)]
+            cmd += ["--no-gpu-telemetry", "--no-server-metrics"]
+            print("$", " ".join(cmd), flush=True)
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            print(done.stdout[-6000:])
+            if done.returncode != 0:
+                print(done.stderr[-4000:], file=sys.stderr)
+                raise SystemExit(f"aiperf exited {done.returncode}")
+            ours = metrics(url)
+        finally:
+            serve.terminate()
+            serve.wait(30)
+    print(f"slice: {ideal}")
+    for key in sorted(ours):
+        if any(k in key for k in ("requests_total", "prompt_tokens", "cached_tokens", "generation_tokens")):
+            print(f"{key:60} {ours[key]:>12.0f}")
+
+
+if __name__ == "__main__":
+    main()

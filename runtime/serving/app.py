@@ -1,0 +1,87 @@
+"""The decode node's HTTP front door: SGLang's and OpenAI's APIs over one `Backend`."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+
+import trio
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from hicache.runtime.serving import openai_api, sglang_api
+from hicache.runtime.serving.auth import Auth, KeyLookup, PrincipalLike
+from hicache.runtime.serving.backend import Backend, TextCodec
+from hicache.runtime.serving.context import Context, context
+from hicache.runtime.serving.errors import ApiError, error_response
+from hicache.runtime.serving.metrics import Metrics
+
+log = logging.getLogger("hicache.runtime.serving")
+
+MAX_BODY_BYTES = 16 * 1024 * 1024
+STATS_TIMEOUT_S = 5.0
+
+
+async def metrics(request: Request) -> Response:
+    """Prometheus text; the backend's gauges are read fresh for each scrape."""
+    ctx = context(request)
+    ctx.auth.principal(request, admin=True)
+    try:
+        with trio.fail_after(STATS_TIMEOUT_S):
+            ctx.metrics.set_backend_stats(await ctx.backend.stats())
+    except Exception as exc:  # a scrape still shows the front door's own metrics
+        log.warning("backend stats unavailable for /metrics: %s: %s", type(exc).__name__, exc)
+        ctx.metrics.set_backend_stats({})
+    return Response(ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ApiError)
+    log.warning("%s %s refused with %d: %s", request.method, request.url.path, exc.status, exc.message)
+    return error_response(exc)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's own refusals (404 route, 405 method) in the same JSON shape."""
+    assert isinstance(exc, HTTPException)
+    log.warning("%s %s refused with %d: %s", request.method, request.url.path, exc.status_code, exc.detail)
+    err = ApiError(exc.status_code, str(exc.detail), code=str(exc.status_code))
+    response = error_response(err)
+    response.headers.update(exc.headers or {})
+    return response
+
+
+def create_app(
+    backend: Backend,
+    codec: TextCodec,
+    *,
+    model_name: str,
+    api_keys: KeyLookup | Mapping[str, PrincipalLike] | None = None,
+    max_body_bytes: int = MAX_BODY_BYTES,
+) -> Starlette:
+    """An ASGI app for `backend`; `codec` tokenizes prompts and detokenizes output.
+
+    `api_keys`: runtime/api_keys.py's `ApiKeys` (or a mapping key -> principal); when given,
+    every route but /health and /health_generate needs `Authorization: Bearer KEY`, the key's
+    tenant goes into each `GenerateRequest`, and /flush_cache and /metrics need an admin key.
+    """
+    app = Starlette(
+        routes=[*sglang_api.ROUTES, *openai_api.ROUTES, Route("/metrics", metrics, methods=["GET"])],
+        exception_handlers={ApiError: _api_error, HTTPException: _http_error},
+    )
+    app.state.ctx = Context(
+        backend=backend,
+        codec=codec,
+        model_name=model_name,
+        info=backend.model_info(),
+        auth=Auth(api_keys),
+        metrics=Metrics(),
+        max_body_bytes=max_body_bytes,
+        started_at=time.time(),
+    )
+    return app

@@ -1,0 +1,70 @@
+"""Bearer keys: which tenant a request belongs to, and whether it may run admin routes.
+
+Takes runtime/api_keys.py's `ApiKeys` (anything with `lookup(key) -> Principal | None`) or a
+plain mapping key -> principal (anything with `.tenant` and `.admin`); without keys the door
+is open and every caller is an admin of the shared namespace.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Protocol
+
+from starlette.requests import Request
+
+from hicache.runtime.api_keys import OPEN, digest
+from hicache.runtime.serving.errors import ApiError
+
+
+class PrincipalLike(Protocol):
+    @property
+    def tenant(self) -> str | None: ...
+
+    @property
+    def admin(self) -> bool: ...
+
+
+class KeyLookup(Protocol):
+    def lookup(self, key: object) -> PrincipalLike | None: ...
+
+
+class _DigestMap:
+    """A plain mapping looked up by SHA-256, as `ApiKeys` does: the time a lookup takes says
+    nothing about how much of a wrong key was right."""
+
+    def __init__(self, keys: Mapping[str, PrincipalLike]) -> None:
+        self._by_digest = {digest(k): p for k, p in keys.items()}
+
+    def lookup(self, key: object) -> PrincipalLike | None:
+        if not isinstance(key, str) or len(key) > 4096:
+            return None
+        try:
+            return self._by_digest.get(digest(key))
+        except UnicodeEncodeError:
+            return None
+
+
+class Auth:
+    def __init__(self, keys: KeyLookup | Mapping[str, PrincipalLike] | None) -> None:
+        if keys is None or hasattr(keys, "lookup"):
+            self._keys: KeyLookup | None = keys  # type: ignore[assignment]
+        else:
+            self._keys = _DigestMap(keys)
+
+    @property
+    def enabled(self) -> bool:
+        return self._keys is not None
+
+    def principal(self, request: Request, *, admin: bool = False) -> PrincipalLike:
+        """The caller, or a 401 (no or unknown key) / 403 (an admin route, a tenant's key)."""
+        if self._keys is None:
+            return OPEN
+        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        found = self._keys.lookup(key.strip()) if scheme.lower() == "bearer" else None
+        if found is None:
+            raise ApiError(
+                401, "a valid API key is required (Authorization: Bearer KEY)", code="invalid_api_key"
+            )
+        if admin and not found.admin:
+            raise ApiError(403, "this route needs an admin key", type="permission_error", code="forbidden")
+        return found

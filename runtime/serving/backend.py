@@ -1,0 +1,131 @@
+"""What the HTTP front door needs from a decode node, and from a tokenizer.
+
+The front door (this package) owns HTTP, JSON, tokenizing, detokenizing and stop strings; the
+backend owns scheduling, the KV tiers and the model. They meet here, so a fake backend in the
+tests and the real decode node are interchangeable without touching the app.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, Mapping, Sequence
+from typing import Literal, Protocol, runtime_checkable
+
+import attrs
+
+TIERS = ("l1", "l2", "l3")  # decode GPU pool, host memory, storage: the tiers cached tokens came from
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+@attrs.frozen
+class SamplingSpec:
+    """How to pick tokens. top_k 0: off; temperature 0: greedy. The backend applies all of it,
+    stop token ids and EOS included; stop strings are the front door's."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+
+@attrs.frozen
+class GenerateRequest:
+    """One generation: `rid` is unique per node (the front door makes it); `tenant` salts the
+    cache keys (None: the shared namespace) and comes from the caller's API key."""
+
+    rid: str
+    input_ids: list[int]
+    max_new_tokens: int
+    sampling: SamplingSpec
+    tenant: str | None = None
+
+
+@attrs.frozen
+class Tokens:
+    """New output tokens, in order; the first event's first id is the first token.
+
+    `cached_tokens` is optional: a backend that knows the prompt's tier account when the first
+    token comes out may put it here ({"l1", "l2", "l3"} -> tokens), so that a request the front
+    door ends early (a stop string, which aborts it) still reports its cache hits.
+    """
+
+    ids: list[int]
+    cached_tokens: Mapping[str, int] | None = None
+
+
+@attrs.frozen
+class Finished:
+    """The last event. `reason`: "stop" (EOS or a stop token id, which is then the last id
+    yielded), "length" (max_new_tokens reached), "abort" (the node gave up: overload, shutdown,
+    eviction) or "error" (a fault; `message` says which). `cached_tokens` maps "l1", "l2", "l3"
+    to the prompt tokens whose KV came from that tier; `ttft_s` is the backend's own view."""
+
+    reason: FinishReason
+    message: str = ""
+    prompt_tokens: int = 0
+    cached_tokens: Mapping[str, int] = attrs.field(factory=dict)
+    ttft_s: float | None = None
+
+
+GenerateEvent = Tokens | Finished
+
+
+@attrs.frozen
+class ModelInfo:
+    """Read once by `create_app`. `name` is the model path/id reported by /get_model_info."""
+
+    name: str
+    max_context_tokens: int  # prompt + output, in tokens
+    eos_token_ids: tuple[int, ...]
+    vocab_size: int
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """A decode node as the front door drives it (all methods run in the app's trio loop)."""
+
+    def generate(self, req: GenerateRequest) -> AsyncGenerator[GenerateEvent, None]:
+        """Written as `async def generate(self, req): ... yield ...`.
+
+        Yields `Tokens` as tokens come out, then exactly one `Finished`, then returns. If the
+        consumer stops early — `aclose()` on the generator, or cancellation while it waits in
+        it — the backend aborts the request and frees everything it held for it. The front door
+        calls `aclose()` inside a shielded scope with a grace period, so the cleanup may await.
+        A request the backend refuses outright (queue full, shutting down) is one `Finished`
+        with reason "abort" and no `Tokens`; the front door answers it with 503.
+        """
+        ...
+
+    async def flush(self) -> None:
+        """Evict the node's cached KV from L1 and L2 (SGLang's /flush_cache). Raising refuses
+        (e.g. while requests run); the message is shown to the client with a 503."""
+        ...
+
+    async def stats(self) -> Mapping[str, float]:
+        """Gauges for /metrics, e.g. queue lengths, pool occupancy per tier, restore bytes and
+        batches, transfer bytes. Names are snake_case; each becomes `hicache_backend_<name>`."""
+        ...
+
+    def model_info(self) -> ModelInfo: ...
+
+
+@runtime_checkable
+class TextCodec(Protocol):
+    """The tokenizer and chat template. `decode` skips special tokens (EOS never shows in the
+    text) and must accept any prefix of a token sequence (an incomplete UTF-8 character decodes
+    to U+FFFD, as `tokenizers` and `bytes.decode(errors="replace")` do)."""
+
+    def encode(self, text: str) -> list[int]:
+        """No special tokens added beyond what the model's prompts need (e.g. BOS)."""
+        ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> list[int] | str:
+        """`messages` are [{"role", "content"}] with string content. A str result is encoded
+        with `encode`; errors (e.g. a jinja2 `raise_exception`) reach the client as a 400."""
+        ...

@@ -1,0 +1,143 @@
+"""What every route shares: the backend, the codec, metrics, keys, and the steps that both
+APIs take the same way (tokenizing off the event loop, counting refusals, running a
+generation to its end or to its first token while watching for the client leaving)."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+import uuid
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from typing import Any
+
+import attrs
+import trio
+from starlette.requests import Request
+from starlette.responses import Response
+
+from hicache.runtime.serving.auth import Auth
+from hicache.runtime.serving.backend import Backend, ModelInfo, TextCodec
+from hicache.runtime.serving.errors import ApiError, bad_request, error_response, unavailable
+from hicache.runtime.serving.generation import Generation, Job, aclose_shielded
+from hicache.runtime.serving.metrics import Metrics
+from hicache.runtime.serving.sse import Disconnected, until_disconnect
+
+log = logging.getLogger("hicache.runtime.serving")
+
+THREAD_ENCODE_CHARS = 32_768  # longer texts are tokenized in a worker thread, off the event loop
+
+
+@attrs.define
+class Context:
+    backend: Backend
+    codec: TextCodec
+    model_name: str
+    info: ModelInfo
+    auth: Auth
+    metrics: Metrics
+    max_body_bytes: int
+    started_at: float
+
+    async def encode(self, text: str) -> list[int]:
+        if len(text) > THREAD_ENCODE_CHARS:
+            return await trio.to_thread.run_sync(self.codec.encode, text)
+        return self.codec.encode(text)
+
+    async def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+        apply = functools.partial(self.codec.apply_chat_template, messages, add_generation_prompt=True)
+        try:
+            if sum(len(m["content"]) for m in messages) > THREAD_ENCODE_CHARS:
+                out = await trio.to_thread.run_sync(apply)
+            else:
+                out = apply()
+        except Exception as exc:  # a template that refuses these messages (jinja2's raise_exception)
+            raise bad_request(f"the chat template refused the messages: {exc}"[:300], "messages") from None
+        return await self.encode(out) if isinstance(out, str) else list(out)
+
+    def generation(self, request: Request, job: Job) -> Generation:
+        arrived = getattr(request.state, "arrived", None)
+        return Generation(self.backend, self.codec, self.metrics, job, self.info.eos_token_ids, arrived)
+
+    async def run_to_end(self, request: Request, gen: Generation) -> bool:
+        """Run a non-streaming generation; False if the client left (the backend is aborted)."""
+
+        async def drain() -> None:
+            async for _ in gen.run():
+                pass
+
+        try:
+            await until_disconnect(request, drain)
+        except Disconnected:
+            return False
+        return True
+
+    async def start_stream(self, request: Request, gen: Generation) -> Stream | None:
+        """Start a streaming generation and wait for its first text (or its end) while watching
+        the client: a request refused before its first token still gets a 503 status, not a
+        200 stream holding an error. None if the client left."""
+        tail = gen.run()
+        try:
+            head = await until_disconnect(request, functools.partial(anext, tail, None))
+        except Disconnected:
+            await aclose_shielded(tail)
+            return None
+        except BaseException:
+            await aclose_shielded(tail)
+            raise
+        if head is None and gen.failed and not gen.output_ids:
+            assert gen.finish is not None
+            raise unavailable(gen.finish.message or "the backend refused the request", code=gen.finish.reason)
+        return Stream([] if head is None else [head], tail)
+
+    def new_rid(self) -> str:
+        return uuid.uuid4().hex
+
+
+@attrs.frozen
+class Stream:
+    """A started stream: the text pieces already taken (`head`), then the rest (`tail`)."""
+
+    head: list[str]
+    tail: AsyncGenerator[str, None]
+
+    async def pieces(self) -> AsyncGenerator[str, None]:
+        try:
+            for piece in self.head:
+                yield piece
+            async for piece in self.tail:
+                yield piece
+        finally:
+            await aclose_shielded(self.tail)
+
+
+def context(request: Request) -> Context:
+    return request.app.state.ctx
+
+
+def generation_route(api: str) -> Callable[[Callable[[Request], Awaitable[Response]]], Any]:
+    """Counts and logs a generation request refused before it reached the backend (a 4xx);
+    those that reach it are counted by `Generation` itself."""
+
+    def wrap(endpoint: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+        @functools.wraps(endpoint)
+        async def route(request: Request) -> Response:
+            request.state.arrived = time.monotonic()  # TTFT counts reading and tokenizing
+            try:
+                return await endpoint(request)
+            except ApiError as err:
+                if err.status < 500:
+                    context(request).metrics.requests.labels(api, "rejected").inc()
+                    log.warning(
+                        "%s %s refused with %d: %s", request.method, request.url.path, err.status, err.message
+                    )
+                return error_response(err)
+
+        return route
+
+    return wrap
+
+
+def gone() -> Response:
+    """The answer to a client that already left; nobody reads it."""
+    return Response(status_code=499)

@@ -1,0 +1,224 @@
+"""One generation as the front door runs it, whichever API asked: drive the backend, turn
+tokens into final text, apply stop strings, time it, count it and log it once.
+
+Both APIs render the same `Generation`; only the JSON around it differs.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import AsyncGenerator, Mapping
+
+import attrs
+import trio
+
+from hicache.runtime.serving.backend import (
+    TIERS,
+    Backend,
+    Finished,
+    GenerateEvent,
+    GenerateRequest,
+    TextCodec,
+    Tokens,
+)
+from hicache.runtime.serving.detokenize import IncrementalDetokenizer
+from hicache.runtime.serving.metrics import Metrics
+from hicache.runtime.serving.stops import StopStrings
+
+log = logging.getLogger("hicache.runtime.serving")
+
+ABORT_GRACE_S = 5.0  # how long a backend may take to abort a request it is told to drop
+
+
+@attrs.frozen
+class Job:
+    """A checked request: `api` labels metrics and logs, `stop` holds the stop strings, and
+    `public_id` is the id the client sees (SGLang lets a client name it; the backend's `rid`
+    is always the front door's own, so two clients cannot collide)."""
+
+    api: str
+    request: GenerateRequest
+    stop: tuple[str, ...] = ()
+    public_id: str | None = None
+
+
+@attrs.frozen
+class Finish:
+    """How a generation ended. `reason` adds "disconnect" to the backend's reasons (the client
+    left); `matched` is the stop string or stop token id that ended it, if one did."""
+
+    reason: str
+    matched: str | int | None = None
+    message: str = ""
+
+
+async def aclose_shielded(agen: AsyncGenerator[object, None], grace_s: float = ABORT_GRACE_S) -> None:
+    """Close a generator even from a cancelled scope (a client that left), so its cleanup —
+    the backend's abort — may still await, but never for longer than `grace_s`."""
+    with trio.move_on_after(grace_s) as scope:
+        scope.shield = True
+        await agen.aclose()
+    if scope.cancelled_caught:
+        log.warning("closing %r took over %.1fs; left behind", agen, grace_s)
+
+
+REASONS = frozenset({"stop", "length", "abort", "error"})
+
+
+def _count(value: object) -> int:
+    """A token count from the backend as a non-negative int (a counter cannot go down)."""
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    return max(0, int(value)) if ok else 0  # type: ignore[arg-type]
+
+
+class Generation:
+    def __init__(
+        self,
+        backend: Backend,
+        codec: TextCodec,
+        metrics: Metrics,
+        job: Job,
+        eos: tuple[int, ...],
+        arrived: float | None = None,
+    ):
+        """`arrived`: the request's arrival (time.monotonic()), so TTFT includes reading and
+        tokenizing it; now if not given."""
+        self.backend = backend
+        self.job = job
+        self._metrics = metrics
+        self._eos = frozenset(eos)
+        self._detok = IncrementalDetokenizer(codec)
+        self._stops = StopStrings(job.stop)
+        self.started = time.monotonic() if arrived is None else arrived
+        self.output_ids: list[int] = []
+        self.prompt_tokens = len(job.request.input_ids)
+        self.cached: dict[str, int] = dict.fromkeys(TIERS, 0)
+        self.ttft_s: float | None = None
+        self.backend_ttft_s: float | None = None
+        self.finish: Finish | None = None
+        self._last_token_at: float | None = None
+
+    @property
+    def rid(self) -> str:
+        return self.job.request.rid
+
+    @property
+    def text(self) -> str:
+        """The output text shown so far (final text only, stop strings cut off)."""
+        return self._stops.text
+
+    @property
+    def elapsed_s(self) -> float:
+        return time.monotonic() - self.started
+
+    @property
+    def failed(self) -> bool:
+        return self.finish is not None and self.finish.reason in ("abort", "error")
+
+    async def run(self) -> AsyncGenerator[str, None]:
+        """Yields each piece of newly shown text ("" when tokens came but no text is final yet);
+        when it ends, `finish` says why. Closing it early aborts the backend's request."""
+        events = self.backend.generate(self.job.request)
+        try:
+            async for event in events:
+                delta = self._take(event)
+                if delta or isinstance(event, Tokens):
+                    yield delta
+                if self.finish is not None:
+                    break
+            else:
+                self._end("error", message="the backend ended the request without a Finished event")
+        except Exception as exc:  # a backend fault; trio.Cancelled is a BaseException and passes
+            log.exception("rid=%s: the backend failed", self.rid)
+            self._end("error", message=f"backend failure: {type(exc).__name__}: {exc}")
+        finally:
+            await aclose_shielded(events)
+            if self.finish is None:
+                self._end("disconnect", message="the client went away")
+            self._account()
+
+    def _take(self, event: GenerateEvent) -> str:
+        if isinstance(event, Tokens):
+            return self._take_tokens(event)
+        if isinstance(event, Finished):
+            return self._take_finished(event)
+        raise TypeError(f"the backend yielded {event!r}, not Tokens or Finished")
+
+    def _take_tokens(self, event: Tokens) -> str:
+        now = time.monotonic()
+        if self._last_token_at is None:
+            self.ttft_s = now - self.started
+            self._metrics.ttft.observe(self.ttft_s)
+        elif event.ids:
+            per_token = (now - self._last_token_at) / len(event.ids)
+            for _ in event.ids:
+                self._metrics.itl.observe(per_token)
+        self._last_token_at = now
+        if event.cached_tokens is not None:
+            self._set_cached(event.cached_tokens)
+        self.output_ids.extend(event.ids)
+        delta = self._stops.feed(self._detok.push(event.ids))
+        if self._stops.matched is not None:
+            self._end("stop", matched=self._stops.matched)  # `run` breaks, which aborts the backend
+        return delta
+
+    def _take_finished(self, event: Finished) -> str:
+        if _count(event.prompt_tokens):
+            self.prompt_tokens = _count(event.prompt_tokens)
+        self._set_cached(event.cached_tokens)
+        self.backend_ttft_s = event.ttft_s
+        delta = self._stops.feed(self._detok.flush(), final=True)
+        if self._stops.matched is not None:
+            self._end("stop", matched=self._stops.matched)
+        elif event.reason == "stop":
+            last = self.output_ids[-1] if self.output_ids else None
+            stop_ids = self._eos | set(self.job.request.sampling.stop_token_ids)
+            self._end("stop", matched=last if last in stop_ids else None, message=event.message)
+        elif event.reason in REASONS:
+            self._end(event.reason, message=event.message)
+        else:
+            self._end("error", message=f"the backend finished with reason {event.reason!r}: {event.message}")
+        return delta
+
+    def _set_cached(self, cached: Mapping[str, int]) -> None:
+        for tier in TIERS:
+            self.cached[tier] = _count(cached.get(tier, 0))
+
+    def _end(self, reason: str, *, matched: str | int | None = None, message: str = "") -> None:
+        if self.finish is None:
+            self.finish = Finish(reason, matched, message)
+
+    def _account(self) -> None:
+        """Metrics and the one log line of a finished request (a warning if it failed)."""
+        assert self.finish is not None
+        m = self._metrics
+        e2e = self.elapsed_s
+        m.requests.labels(self.job.api, self.finish.reason).inc()
+        m.e2e.observe(e2e)
+        m.prompt_tokens.inc(self.prompt_tokens)
+        m.generation_tokens.inc(len(self.output_ids))
+        for tier in TIERS:
+            m.cached_tokens.labels(tier).inc(self.cached[tier])
+        ttft = "-" if self.ttft_s is None else f"{self.ttft_s:.3f}s"
+        line = (
+            f"rid={self.rid} api={self.job.api} tenant={self.job.request.tenant} "
+            f"outcome={self.finish.reason} "
+            f"prompt={self.prompt_tokens} cached l1={self.cached['l1']} l2={self.cached['l2']} "
+            f"l3={self.cached['l3']} output={len(self.output_ids)} ttft={ttft} e2e={e2e:.3f}s"
+        )
+        if self.finish.reason in ("stop", "length"):
+            log.info(line)
+        else:
+            log.warning("%s: %s", line, self.finish.message or "no reason given")
+
+    def usage(self) -> dict[str, object]:
+        """OpenAI's usage block; cached_tokens counts every tier."""
+        completion = len(self.output_ids)
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": self.prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(self.cached.values())},
+        }

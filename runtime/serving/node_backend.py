@@ -1,0 +1,127 @@
+"""The front door's backend on a real decode node: each request streams over its own
+connection to the node (`DecodeClient.stream`), and leaving it early aborts it there.
+
+One connection per request in flight keeps a slow stream from holding up another; connections
+are kept for reuse once their request ended cleanly, up to `idle_connections`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncGenerator, Mapping
+from typing import Any
+
+import attrs
+
+from hicache.runtime import protocol
+from hicache.runtime.client import DecodeClient
+from hicache.runtime.serving.backend import (
+    TIERS,
+    Finished,
+    GenerateEvent,
+    GenerateRequest,
+    ModelInfo,
+    Tokens,
+)
+
+log = logging.getLogger("hicache.runtime.serving")
+
+# A result's outcome and finish reason -> the front door's finish reason.
+_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+@attrs.define(eq=False)
+class NodeBackend:
+    """A decode node at `host:port`, reached with `api_key` (an admin key if the node has keys:
+    the front door authenticates its own clients and passes their tenant on)."""
+
+    host: str
+    port: int
+    info: ModelInfo
+    api_key: str | None = None
+    idle_connections: int = 16
+    _idle: list[DecodeClient] = attrs.field(factory=list)
+
+    async def _client(self) -> DecodeClient:
+        if self._idle:
+            return self._idle.pop()
+        return await DecodeClient.connect(self.host, self.port, api_key=self.api_key)
+
+    def _give_back(self, client: DecodeClient) -> None:
+        if len(self._idle) < self.idle_connections:
+            self._idle.append(client)
+
+    async def generate(self, req: GenerateRequest) -> AsyncGenerator[GenerateEvent, None]:
+        sampling = attrs.asdict(req.sampling)
+        sampling["stop_token_ids"] = list(sampling["stop_token_ids"])
+        try:
+            client = await self._client()
+        except OSError as exc:
+            yield Finished("abort", f"the decode node at {self.host}:{self.port} is unreachable: {exc}")
+            return
+        ended = False
+        try:
+            stream = client.generate_stream(
+                req.rid, req.input_ids, req.max_new_tokens, sampling=sampling, tenant=req.tenant
+            )
+            sent = 0
+            async for frame in stream:
+                if frame["op"] == "tokens":
+                    account = frame.get("account")
+                    cached = {t: int(account.get(t, 0)) for t in TIERS} if isinstance(account, dict) else None
+                    sent += len(frame["tokens"])
+                    yield Tokens(list(frame["tokens"]), cached_tokens=cached)
+                elif frame["op"] == "result":
+                    ended = True
+                    rest = list(frame.get("tokens") or [])[sent:]  # made after the last frame went
+                    if rest:
+                        yield Tokens(rest)
+                    yield _finished(frame, len(req.input_ids))
+                    return
+        except protocol.ProtocolError as exc:
+            ended = True
+            log.warning("request %s failed at the decode node: %s", req.rid, exc)
+            yield Finished("error", str(exc), prompt_tokens=len(req.input_ids))
+        finally:
+            if ended and not client._gone:
+                self._give_back(client)
+
+    async def flush(self) -> None:
+        client = await self._client()
+        await client.evict(l1=1 << 40, l2=1 << 40)
+        self._give_back(client)
+
+    async def stats(self) -> Mapping[str, float]:
+        client = await self._client()
+        stats = await client.stats()
+        self._give_back(client)
+        return {
+            k: float(v) for k, v in stats.items() if isinstance(v, int | float) and not isinstance(v, bool)
+        }
+
+    def model_info(self) -> ModelInfo:
+        return self.info
+
+    async def aclose(self) -> None:
+        for client in self._idle:
+            await client.aclose()
+        self._idle.clear()
+
+
+def _finished(result: dict[str, Any], prompt_tokens: int) -> Finished:
+    outcome = result.get("outcome")
+    account = result.get("account") or {}
+    cached = {tier: int(account.get(tier, 0)) for tier in TIERS}
+    if outcome == "finished":
+        reason = _REASONS.get(str(result.get("finish_reason")), "length")
+    elif outcome == "aborted":
+        reason = "abort"
+    else:
+        reason = "error"
+    return Finished(
+        reason,  # type: ignore[arg-type]
+        str(result.get("reason") or ""),
+        prompt_tokens=prompt_tokens,
+        cached_tokens=cached,
+        ttft_s=result.get("ttft_s"),
+    )

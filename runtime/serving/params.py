@@ -1,0 +1,247 @@
+"""Checking what clients send, field by field, into typed values or a 400 that names the field.
+
+Both APIs parse through here, so a wrong type, a NaN, a bool where a number belongs or a lone
+surrogate gets the same answer whichever door it came in by.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+from starlette.requests import ClientDisconnect, Request
+
+from hicache.runtime.serving.backend import SamplingSpec
+from hicache.runtime.serving.errors import ApiError, bad_request, show
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 256
+MAX_ID_CHARS = 128
+_INT64 = (-(2**63), 2**64 - 1)
+
+
+def _no_constants(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
+    """The body as a JSON object, refused with a 413 once it passes `max_bytes`."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise ApiError(413, f"the body is {declared} bytes; the limit is {max_bytes}", code="body_too_large")
+    chunks, size = [], 0
+    try:
+        async with contextlib.aclosing(request.stream()) as stream:
+            async for chunk in stream:
+                size += len(chunk)
+                if size > max_bytes:
+                    raise ApiError(
+                        413, f"the body is over the limit of {max_bytes} bytes", code="body_too_large"
+                    )
+                chunks.append(chunk)
+    except ClientDisconnect:
+        raise bad_request("the client went away before sending the whole body") from None
+    try:
+        data = json.loads(b"".join(chunks), parse_constant=_no_constants)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        raise bad_request(f"the body is not JSON: {exc}"[:200]) from None
+    if not isinstance(data, dict):
+        raise bad_request(f"the body must be a JSON object, not {type(data).__name__}")
+    return data
+
+
+def is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate from a \ud800 escape
+        return False
+    return True
+
+
+def text(value: object, param: str, *, allow_empty: bool = False) -> str:
+    if not isinstance(value, str):
+        raise bad_request(f"'{param}' must be a string, not {show(value)}", param)
+    if not is_utf8(value):
+        raise bad_request(f"'{param}' holds a lone surrogate, which is not text", param)
+    if not value and not allow_empty:
+        raise bad_request(f"'{param}' must not be empty", param)
+    return value
+
+
+def integer(value: object, param: str, lo: int, hi: int) -> int:
+    """An int in [lo, hi]; a float with an integral value (100.0) counts, a bool does not."""
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise bad_request(f"'{param}' must be an integer, not {show(value)}", param)
+    if not lo <= value <= hi:
+        raise bad_request(f"'{param}' must be between {lo} and {hi}, not {show(value)}", param)
+    return value
+
+
+def number(value: object, param: str, lo: float, hi: float, *, lo_open: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise bad_request(f"'{param}' must be a number, not {show(value)}", param)
+    value = float(value)
+    below = value <= lo if lo_open else value < lo
+    if not math.isfinite(value) or below or value > hi:
+        bracket = "(" if lo_open else "["
+        raise bad_request(f"'{param}' must be in {bracket}{lo}, {hi}], not {show(value)}", param)
+    return value
+
+
+def boolean(value: object, param: str) -> bool:
+    if not isinstance(value, bool):
+        raise bad_request(f"'{param}' must be true or false, not {show(value)}", param)
+    return value
+
+
+def token_ids(value: object, param: str, vocab_size: int, max_len: int) -> list[int]:
+    if not isinstance(value, list):
+        raise bad_request(f"'{param}' must be a list of token ids, not {show(value)}", param)
+    if len(value) > max_len:
+        raise bad_request(f"'{param}' holds {len(value)} ids, more than {max_len}", param)
+    for tok in value:
+        if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < vocab_size:
+            raise bad_request(f"'{param}' must hold token ids in [0, {vocab_size}), not {show(tok)}", param)
+    return list(value)
+
+
+def stop_strings(value: object, param: str) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or len(items) > MAX_STOP_STRINGS:
+        raise bad_request(
+            f"'{param}' must be a string or a list of at most {MAX_STOP_STRINGS} strings", param
+        )
+    stops = tuple(text(s, param) for s in items)
+    if any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise bad_request(f"'{param}' strings must be at most {MAX_STOP_CHARS} characters", param)
+    return stops
+
+
+def request_id(value: object, param: str) -> str | None:
+    if value is None:
+        return None
+    rid = text(value, param)
+    if len(rid) > MAX_ID_CHARS or not rid.isprintable():
+        raise bad_request(f"'{param}' must be printable and at most {MAX_ID_CHARS} characters", param)
+    return rid
+
+
+@attrs.frozen
+class Unsupported:
+    """A field the front door cannot honour unless it holds its neutral value."""
+
+    key: str
+    neutral: tuple[object, ...]
+
+
+def _is_neutral(value: object, neutral: tuple[object, ...]) -> bool:
+    for n in neutral:
+        if n is None or isinstance(n, bool):
+            if value is n:  # by identity, so that 0 is not False
+                return True
+        elif isinstance(n, int | float):
+            if isinstance(value, int | float) and not isinstance(value, bool) and value == n:
+                return True
+        elif type(value) is type(n) and value == n:
+            return True
+    return False
+
+
+def refuse_unsupported(obj: Mapping[str, Any], fields: tuple[Unsupported, ...], where: str = "") -> None:
+    """A 400 for a field that asks for something this node does not do (n=2, logprobs, ...);
+    silently ignoring it would hand back an answer to a question the client did not ask."""
+    for field in fields:
+        value = obj.get(field.key)
+        if not _is_neutral(value, field.neutral):
+            raise bad_request(
+                f"'{where}{field.key}' = {show(value)} is not supported here", where + field.key
+            )
+
+
+@attrs.frozen
+class Sampling:
+    """Sampling as a request states it, before the prompt's length settles max_new_tokens."""
+
+    max_new_tokens: int | None
+    spec: SamplingSpec
+    stop: tuple[str, ...]
+
+
+def sampling(
+    obj: Mapping[str, Any],
+    *,
+    max_keys: tuple[str, ...],
+    seed_keys: tuple[str, ...],
+    vocab_size: int,
+    max_context: int,
+    where: str = "",
+) -> Sampling:
+    """The fields both APIs share; `max_keys` in order of precedence (the first present wins)."""
+
+    def get(key: str) -> Any:
+        return obj.get(key)
+
+    max_new = None
+    for key in max_keys:
+        if get(key) is not None:
+            max_new = integer(get(key), where + key, 1, max_context)
+            break
+    seed = None
+    for key in seed_keys:
+        if get(key) is not None:
+            seed = integer(get(key), where + key, *_INT64)
+            break
+    temperature = (
+        1.0 if get("temperature") is None else number(get("temperature"), where + "temperature", 0, 1e4)
+    )
+    top_p = 1.0 if get("top_p") is None else number(get("top_p"), where + "top_p", 0, 1, lo_open=True)
+    top_k = 0 if get("top_k") is None else integer(get("top_k"), where + "top_k", -1, 2**31 - 1)
+    stop_ids: tuple[int, ...] = ()
+    if get("stop_token_ids") is not None:
+        stop_ids = tuple(
+            token_ids(get("stop_token_ids"), where + "stop_token_ids", vocab_size, MAX_STOP_TOKEN_IDS)
+        )
+    ignore_eos = False if get("ignore_eos") is None else boolean(get("ignore_eos"), where + "ignore_eos")
+    spec = SamplingSpec(
+        temperature=temperature,
+        top_p=top_p,
+        top_k=max(top_k, 0),  # SGLang's -1 and OpenAI-style 0 both mean "off"
+        seed=seed,
+        stop_token_ids=stop_ids,
+        ignore_eos=ignore_eos,
+    )
+    return Sampling(max_new, spec, stop_strings(get("stop"), where + "stop"))
+
+
+def settle_max_new_tokens(
+    prompt_tokens: int, asked: int | None, default: int | None, max_context: int, param: str
+) -> int:
+    """How many tokens to generate: what was asked if it fits the context, else a 400; when
+    nothing was asked, `default` (None: all the room left) cut to the room left."""
+    if prompt_tokens == 0:
+        raise bad_request("the prompt is empty", param)
+    room = max_context - prompt_tokens
+    if room < 1:
+        raise bad_request(
+            f"the prompt is {prompt_tokens} tokens; this node holds at most {max_context} tokens "
+            f"(prompt and output), so it has no room to generate",
+            param,
+        )
+    if asked is None:
+        return room if default is None else min(default, room)
+    if asked > room:
+        raise bad_request(
+            f"the prompt is {prompt_tokens} tokens and {asked} new tokens were asked for; "
+            f"this node holds at most {max_context} tokens (prompt and output)",
+            param,
+        )
+    return asked

@@ -1,0 +1,78 @@
+"""Server-sent events, and noticing that a client left.
+
+Hypercorn tells an app that a client left only through an `http.disconnect` message on
+`receive`, and never cancels the app by itself; Starlette's StreamingResponse listens for it
+while streaming but leaves the body generator suspended, unclosed. Both gaps would leave the
+backend generating for nobody, so a response here always closes its body, and waits that
+happen before a response exists (a non-streaming answer, the first token) watch `receive`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import trio
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+from starlette.types import Send
+
+from hicache.runtime.serving.errors import dumps
+from hicache.runtime.serving.generation import aclose_shielded
+
+T = TypeVar("T")
+
+DONE = b"data: [DONE]\n\n"
+HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def event(obj: Any) -> bytes:
+    return b"data: " + dumps(obj).encode("ascii") + b"\n\n"
+
+
+class EventStream(StreamingResponse):
+    """text/event-stream whose body generator is closed however the response ends."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, body: AsyncGenerator[bytes, None]) -> None:
+        super().__init__(body, headers=HEADERS)
+        self._body = body
+
+    async def stream_response(self, send: Send) -> None:
+        try:
+            await super().stream_response(send)
+        finally:
+            await aclose_shielded(self._body)
+
+
+class Disconnected(Exception):
+    """The client closed its connection while the app was waiting for the backend."""
+
+
+async def until_disconnect(request: Request, fn: Callable[[], Awaitable[T]]) -> T:
+    """`await fn()`, cancelled if the client disconnects first; `Disconnected` if the client
+    left at all, even just as `fn` finished (its `http.disconnect` is consumed here, so a
+    stream started after it would never hear of it)."""
+    result: list[T] = []
+    left = False
+    async with trio.open_nursery() as nursery:
+
+        async def watch() -> None:
+            nonlocal left
+            while True:
+                message = await request.receive()
+                if message["type"] == "http.disconnect":
+                    left = True
+                    nursery.cancel_scope.cancel()
+                    return
+
+        async def work() -> None:
+            result.append(await fn())
+            nursery.cancel_scope.cancel()
+
+        nursery.start_soon(watch)
+        nursery.start_soon(work)
+    if left or not result:
+        raise Disconnected
+    return result[0]

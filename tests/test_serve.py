@@ -1,0 +1,252 @@
+"""`hicache serve` on the default model (SmolLM2-135M-Instruct), driven by the `openai` package
+and SGLang's wire format: answers, streaming, cached tokens by tier over a conversation, abort on
+disconnect with nothing left held, and 4xx for bad requests. Real processes throughout: a
+prefill and a decode node started as an operator would (the decode node with an admin key), and
+`hicache serve --decode` attached to them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx2 as httpx
+import openai
+import pytest
+import trio
+
+from hicache.runtime.client import DecodeClient
+
+PAGE = 16
+ADMIN = "sk-test-admin-0123456789"
+SYSTEM = (
+    "You are a geography tutor. Answer in one short sentence, name the country, and never use "
+    "more than twenty words. Be precise about capitals, rivers and mountains."
+)
+
+
+class Stack:
+    def __init__(self, url: str, decode: tuple[str, int], procs: list[subprocess.Popen]) -> None:
+        self.url, self.decode, self.procs = url, decode, procs
+        self.client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def audit(self) -> dict[str, Any]:
+        async def ask() -> dict[str, Any]:
+            client = await DecodeClient.connect(*self.decode, api_key=ADMIN)
+            try:
+                await client.idle()
+                return (await client.call({"op": "audit"}))[0]
+            finally:
+                await client.aclose()
+
+        return trio.run(ask)
+
+    def stats(self) -> dict[str, Any]:
+        async def ask() -> dict[str, Any]:
+            client = await DecodeClient.connect(*self.decode, api_key=ADMIN)
+            try:
+                return await client.stats()
+            finally:
+                await client.aclose()
+
+        return trio.run(ask)
+
+
+def _ready(proc: subprocess.Popen, what: str) -> dict[str, Any]:
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line:
+        proc.wait(10)
+        raise AssertionError(f"{what} did not start: {proc.stderr.read() if proc.stderr else ''}")
+    return json.loads(line)
+
+
+def _start(*args: str, log: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "hicache", *args], stdout=subprocess.PIPE, stderr=log.open("w"), text=True
+    )
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    tmp = tmp_path_factory.mktemp("serve")
+    keys = tmp / "keys.toml"
+    keys.write_text(f'[[key]]\nkey = "{ADMIN}"\nadmin = true\n')
+    procs: list[subprocess.Popen] = []
+    try:
+        common = ["--engine", "tcp", "--model", "default", "--page-size", str(PAGE)]
+        procs.append(_start("node", "prefill", *common, log=tmp / "prefill.log"))
+        prefill = _ready(procs[-1], "the prefill node")
+        decode_args = ["--prefill", f"127.0.0.1:{prefill['port']}", "--api-keys", str(keys)]
+        decode_args += ["--l1-pages", "128", "--l2-pages", "128", "--storage-dir", str(tmp / "l3")]
+        decode_args += ["--prefetch-threshold-tokens", str(PAGE), "--decode-reserve-tokens", str(2 * PAGE)]
+        procs.append(_start("node", "decode", *common, *decode_args, log=tmp / "decode.log"))
+        decode = _ready(procs[-1], "the decode node")
+        serve = ["serve", "--decode", f"127.0.0.1:{decode['port']}", "--decode-api-key", ADMIN]
+        procs.append(_start(*serve, log=tmp / "serve.log"))
+        front = _ready(procs[-1], "hicache serve")
+        yield Stack(front["url"], ("127.0.0.1", decode["port"]), procs)
+    finally:
+        for proc in reversed(procs):
+            proc.terminate()
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def chat(stack: Stack, messages: list[dict[str, str]], **kw: Any) -> Any:
+    return stack.client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=messages, temperature=0, **kw
+    )
+
+
+def test_the_model_answers_through_the_openai_client(stack: Stack) -> None:
+    reply = chat(stack, [{"role": "user", "content": "What is the capital of France?"}], max_tokens=20)
+    assert "Paris" in reply.choices[0].message.content
+    assert reply.choices[0].finish_reason == "stop"
+    assert reply.usage.prompt_tokens > 0 and reply.usage.prompt_tokens_details is not None
+    chunks = list(
+        chat(
+            stack,
+            [{"role": "user", "content": "What is the capital of France?"}],
+            max_tokens=20,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == reply.choices[0].message.content  # greedy: the same answer
+    assert (
+        chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == reply.usage.completion_tokens
+    )
+    done = stack.client.completions.create(
+        model="SmolLM2-135M-Instruct", prompt="The capital of Italy is", max_tokens=5, temperature=0
+    )
+    assert done.choices[0].text.strip() and done.usage.completion_tokens <= 5
+    assert [m.id for m in stack.client.models.list().data] == ["SmolLM2-135M-Instruct"]
+
+
+def sglang(stack: Stack, text: str, max_new: int = 12) -> dict[str, Any]:
+    body = {"text": text, "sampling_params": {"max_new_tokens": max_new, "temperature": 0}}
+    got = httpx.post(f"{stack.url}/generate", json=body, timeout=120)
+    assert got.status_code == 200, got.text
+    return got.json()
+
+
+def test_a_conversations_later_turns_report_cached_tokens_by_tier(stack: Stack) -> None:
+    """SGLang's wire format, as its multi-turn benchmark sends it: each turn is the history so
+    far plus a question. Turn 2 finds turn 1's pages in L1; after /flush_cache empties L1 and
+    L2, turn 3 restores them from L3."""
+    history = f"<|im_start|>system\n{SYSTEM}<|im_end|>\n"
+    turns = []
+    for question in ("Where is Paris?", "And Rome?", "And Madrid?"):
+        history += f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
+        reply = sglang(stack, history)
+        turns.append(reply["meta_info"])
+        history += reply["text"] + "<|im_end|>\n"
+        if len(turns) == 2:
+            flushed = httpx.post(f"{stack.url}/flush_cache", timeout=60)
+            assert flushed.status_code == 200, flushed.text
+            stack.audit()  # waits until the node is idle: stores to L3 are done
+    first, second, third = turns
+    assert first["cached_tokens"] == 0
+    assert second["cached_tokens_details"]["l1"] >= 2 * PAGE, second
+    assert third["cached_tokens_details"]["l3"] >= 2 * PAGE, third
+    assert third["cached_tokens_details"]["l1"] == 0, third
+
+
+def test_a_client_that_leaves_mid_stream_aborts_and_the_node_holds_nothing(stack: Stack) -> None:
+    before = stack.stats()["aborted"]
+    body = {
+        "text": "Count from one to a thousand:",
+        "sampling_params": {"max_new_tokens": 400},
+        "stream": True,
+    }
+    with httpx.stream("POST", f"{stack.url}/generate", json=body, timeout=120) as response:
+        lines = response.iter_lines()
+        seen = [line for _, line in zip(range(3), lines, strict=False)]
+        assert any(line.startswith("data: {") for line in seen), seen
+    deadline = time.monotonic() + 60  # a guard against hangs, not a speed assertion
+    while stack.stats()["aborted"] == before:
+        assert time.monotonic() < deadline, "the decode node never saw the abort"
+        time.sleep(0.1)
+    audit = stack.audit()
+    assert audit["check"] == "ok", audit
+    for key in ("l1_leaked", "l2_leaked", "locks", "pins", "live", "reserved"):
+        assert audit[key] == 0, audit
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "says"),
+    [
+        (
+            "/v1/chat/completions",
+            {"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]},
+            404,
+            "gpt-4",
+        ),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 10**9}, 400, "max_tokens"),
+        ("/v1/completions", {"prompt": "hi " * 40_000, "max_tokens": 4}, 400, "tokens"),
+        ("/v1/chat/completions", {"messages": "hello"}, 400, "messages"),
+        ("/generate", {"text": 5}, 400, "text"),
+        ("/generate", "{not json", 400, "JSON"),
+    ],
+)
+def test_a_bad_request_gets_a_4xx_naming_the_problem(
+    stack: Stack, path: str, body: Any, status: int, says: str
+) -> None:
+    content = body if isinstance(body, str) else json.dumps(body)
+    got = httpx.post(
+        f"{stack.url}{path}", content=content, headers={"content-type": "application/json"}, timeout=60
+    )
+    assert got.status_code == status, got.text
+    assert says.lower() in got.json()["error"]["message"].lower(), got.text
+    assert httpx.get(f"{stack.url}/health", timeout=10).status_code == 200  # still serving
+
+
+def test_metrics_count_requests_and_carry_the_decode_nodes_gauges(stack: Stack) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    sglang(stack, "Name a river in France.", max_new=4)
+    got = httpx.get(f"{stack.url}/metrics", timeout=30)
+    assert got.status_code == 200
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(got.text)
+        for s in family.samples
+    }
+    names = {name for name, _ in samples}
+    assert sum(v for (n, _), v in samples.items() if n == "hicache_requests_total") >= 1
+    for gauge in ("l1_pages_used", "l1_pages", "transfer_bytes", "requests_running", "restore_bytes"):
+        assert f"hicache_backend_{gauge}" in names, sorted(names)
+    assert samples[("hicache_backend_l1_pages", ())] == 128
+    assert samples[("hicache_backend_transfer_bytes", ())] > 0
+
+
+def test_the_exported_tokenizer_loads_in_transformers_and_encodes_alike(tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from hicache.runtime.serve import load_tokenizer
+
+    out = tmp_path / "tokenizer"
+    done = subprocess.run(
+        [sys.executable, "-m", "hicache", "serve", "--export-tokenizer", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    theirs = AutoTokenizer.from_pretrained(out)
+    ours, _ = load_tokenizer("default")
+    messages = [{"role": "user", "content": "Où est la tour Eiffel? 🗼"}]
+    text = "Where is the Eiffel tower?\n  Tabs\tand ünïcödé 🗼"
+    assert theirs.encode(text, add_special_tokens=False) == ours.encode(text, add_special_tokens=False)
+    assert theirs.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False
+    ) == ours.render_chat(messages)
