@@ -110,7 +110,7 @@ def main() -> None:
                 proc.wait(30)
     print(
         f"{'turn':>4} {'prompt':>7} {'TTFT cache':>11} {'TTFT off':>9} {'ratio':>6}"
-        f" {'L1':>6} {'L2':>6} {'L3':>6}"
+        f" {'L1':>6} {'L2':>6} {'L3':>6} {'hit':>6}"
     )
     for k in range(1, args.turns + 1):
         on = [r for r in results["cache"] if r["turn"] == k]
@@ -119,9 +119,10 @@ def main() -> None:
         t_off = statistics.mean(r["ttft_s"] for r in off)
         tiers = {t: sum(r[t] for r in on) for t in ("l1", "l2", "l3")}
         prompt = statistics.mean(r["prompt"] for r in on)
+        hit = sum(tiers.values()) / max(1, sum(r["prompt"] for r in on))
         print(
             f"{k:>4} {prompt:>7.0f} {t_on:>10.3f}s {t_off:>8.3f}s {t_off / t_on:>6.2f}"
-            f" {tiers['l1']:>6} {tiers['l2']:>6} {tiers['l3']:>6}"
+            f" {tiers['l1']:>6} {tiers['l2']:>6} {tiers['l3']:>6} {hit:>6.1%}"
         )
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=1))

@@ -248,6 +248,13 @@ def build_parser() -> argparse.ArgumentParser:
         )
         p.add_argument("--model-seed", type=int_in(0), default=0, help="the tiny model's weights")
         p.add_argument(
+            "--threads",
+            type=int_in(1),
+            default=None,
+            help="torch's intra-op threads for the model (default: torch's choice); nodes sharing a "
+            "machine should split its cores, or a thread waiting for a busy core stalls every step",
+        )
+        p.add_argument(
             "--log-level",
             choices=LOG_LEVELS,
             default="warning",
@@ -619,6 +626,10 @@ def run_node(args: argparse.Namespace) -> int:
     from hicache.runtime.model import TinyConfig
 
     _logging(args.log_level)
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
     model = TinyConfig(seed=args.model_seed) if args.model == "tiny" else args.model
     try:
         if args.node_command == "prefill":

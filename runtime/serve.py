@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import secrets
 import signal
 import tempfile
@@ -96,7 +97,10 @@ def load_tokenizer(model: str) -> tuple[ChatTokenizer, str]:
 
 def _node_args(opts: ServeOptions) -> list[str]:
     args = ["--engine", opts.engine, "--page-size", str(opts.page_size), "--model", opts.model]
-    return [*args, "--log-level", opts.log_level]
+    # The two nodes share this machine's cores: a thread of one waiting on a core the other keeps
+    # busy would stall every step of its model at the next barrier.
+    threads = max(1, (os.cpu_count() or 2) // 2)
+    return [*args, "--log-level", opts.log_level, "--threads", str(threads)]
 
 
 async def serve(opts: ServeOptions, task_status: trio.TaskStatus[dict] = trio.TASK_STATUS_IGNORED) -> None:
