@@ -428,6 +428,8 @@ class DecodeService:
             "l1_pages": self.cfg.l1_pages,
             "l2_pages_used": self.cfg.l2_pages - audit["l2_free"] if self.cfg.l2_pages else 0,
             "l2_pages": self.cfg.l2_pages,
+            # The longest prompt the node can ever admit (its L1 less the decode reserve).
+            "max_prompt_tokens": (self.cfg.l1_pages - self.cfg.decode_reserve_pages) * self.cfg.page_size,
             **{key: self.moved[key] for key in MOVED},
         }
 

@@ -25,6 +25,7 @@ from pathlib import Path
 import attrs
 import trio
 
+from hicache.runtime import protocol
 from hicache.runtime.api_keys import ApiKeys
 from hicache.runtime.launch import NodeFailed, NodeProcess, start_node
 from hicache.runtime.llm.tokenizer import ChatTokenizer
@@ -116,13 +117,19 @@ async def serve(opts: ServeOptions, task_status: trio.TaskStatus[dict] = trio.TA
         logs = opts.log_dir or work / "logs"
         try:
             decode_at, admin_key, prefill_at = await _start_nodes(opts, work, logs, nodes)
-            info = ModelInfo(
+            backend = NodeBackend(decode_at[0], decode_at[1], None, api_key=admin_key)  # type: ignore[arg-type]
+            try:
+                stats = await backend.stats()
+            except (OSError, protocol.ProtocolError) as exc:
+                raise ServeError(f"the decode node at {decode_at[0]}:{decode_at[1]}: {exc}") from exc
+            # A request the node can never hold is the client's error (400), not the node's.
+            limit = min(opts.max_tokens, int(stats.get("max_prompt_tokens", opts.max_tokens)))
+            backend.info = ModelInfo(
                 name=name,
-                max_context_tokens=opts.max_tokens,
+                max_context_tokens=limit,
                 eos_token_ids=tuple(sorted(tokenizer.eos_token_ids)),
                 vocab_size=tokenizer.vocab_size,
             )
-            backend = NodeBackend(decode_at[0], decode_at[1], info, api_key=admin_key)
             app = create_app(backend, Codec(tokenizer), model_name=name, api_keys=keys)
             async with trio.open_nursery() as nursery:
                 port = await nursery.start(serve_http, app, opts.host, opts.port)

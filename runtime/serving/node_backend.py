@@ -37,7 +37,7 @@ class NodeBackend:
 
     host: str
     port: int
-    info: ModelInfo
+    info: ModelInfo  # what `model_info` answers (set before the app is made)
     api_key: str | None = None
     idle_connections: int = 16
     _idle: list[DecodeClient] = attrs.field(factory=list)
