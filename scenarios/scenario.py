@@ -551,8 +551,13 @@ def _parse_model(doc: Mapping[str, Any], source: str) -> ModelSpec:
     return model
 
 
-def _resolve_path(value: str, source: str) -> str:
-    path = Path(value).expanduser()
+def _resolve_path(value: str, source: str, field: str = "workload.path") -> str:
+    try:
+        path = Path(value).expanduser()
+    except RuntimeError:  # "~name" of a user this machine does not have
+        raise ScenarioError(
+            source, field, f"cannot expand {value[:80]!r}: no such user's home directory"
+        ) from None
     if not path.is_absolute():
         path = Path(source).parent / path
     return os.path.normpath(path.absolute())

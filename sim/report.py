@@ -1,19 +1,22 @@
 """An HTML report of a sweep folder: the results table and plots against the swept parameters.
 
-`report.html` is self-contained (inline CSS, no scripts, no fonts or links outside the folder);
-its images are PNG files beside it in `report/`, so the folder can be copied or served as is.
-Figures are averaged over seeds; a swept parameter's TTFT plot draws one line per baseline and
-combination of the other parameters when there are few, else one line per baseline averaged
-over them.
+`report.html` is self-contained: inline CSS, no scripts, and its plots embedded as PNG data:
+URIs, so the one file can be mailed or moved alone (its only link is to `sweep.csv` beside it).
+Figures are means over seeds with the spread across seeds drawn (a min-max band on lines, error
+bars on bars); lines differ in marker and dash as well as colour, so overlapping ones stay
+apart and the page survives grey-scale printing. A plot with nothing to show becomes a note.
+A swept parameter's TTFT plot draws one line per baseline and combination of the other
+parameters when there are few, else one line per baseline averaged over them.
 """
 
 from __future__ import annotations
 
+import base64
 import html
+import io
 import itertools
 import math
 import os
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -27,6 +30,9 @@ import numpy as np  # noqa: E402
 from hicache.sim.sweep import SweepData, cell, read_sweep  # noqa: E402
 
 MAX_LINES = 8  # per TTFT panel before the other parameters are averaged
+# Marker and dash per line, cycled with coprime lengths so the first 20 lines all differ.
+MARKERS = ("o", "s", "^", "D", "v")
+DASHES = ("-", "--", ":", "-.")
 TIERS = ("l1", "l2", "l3")
 Combo = tuple[Any, ...]
 
@@ -102,7 +108,17 @@ class _Table:
                 self.cells.setdefault((combo, baseline), []).append(_derived(saved["summary"]))
 
     def mean(self, combos: Iterable[Combo], baseline: str, key: str) -> float:
-        return _mean(d[key] for c in combos for d in self.cells.get((c, baseline), []))
+        return _mean(self.values(combos, baseline, key))
+
+    def values(self, combos: Iterable[Combo], baseline: str, key: str) -> list[float]:
+        """Every seed's (and combination's) figure, NaN and missing ones left out."""
+        found = (d[key] for c in combos for d in self.cells.get((c, baseline), []))
+        return [float(v) for v in found if v is not None and not math.isnan(v)]
+
+    def spread(self, combos: Iterable[Combo], baseline: str, key: str) -> tuple[float, float, int]:
+        """The min and max over seeds (NaN when there is no figure), and how many there are."""
+        vals = self.values(combos, baseline, key)
+        return (min(vals), max(vals), len(vals)) if vals else (math.nan, math.nan, 0)
 
     def seeds(self, combo: Combo, baseline: str) -> int:
         return len(self.cells.get((combo, baseline), []))
@@ -128,19 +144,39 @@ def _numeric(values: Sequence[Any]) -> bool:
     return all(isinstance(v, int | float) and not isinstance(v, bool) for v in values)
 
 
-def _slug(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("_") or "plot"
-
-
 # --- plots ----------------------------------------------------------------------------------
+# Each plot function returns a figure, or a note (str) when there is nothing to draw.
 
 
-def _save(fig: Any, path: Path) -> None:
-    fig.savefig(path, bbox_inches="tight")  # keeps legends placed outside the axes
+def _style(i: int) -> dict[str, Any]:
+    """Line i's colour, marker and dash: no two of the first 20 lines look alike."""
+    return {"color": f"C{i % 10}", "marker": MARKERS[i % len(MARKERS)], "linestyle": DASHES[i % len(DASHES)]}
+
+
+def _png(fig: Any) -> str:
+    """The figure as a data: URI (and closed)."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", bbox_inches="tight")  # keeps legends placed outside the axes
     plt.close(fig)
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
 
 
-def _ttft_against(table: _Table, index: int, path: Path, title: str) -> None:
+def _empty(values: Iterable[float]) -> bool:
+    """True when no value is a number other than 0: the plot would be blank axes."""
+    return all(math.isnan(v) or v == 0 for v in values)
+
+
+def _errors(means: Sequence[float], spreads: Sequence[tuple[float, float, int]]) -> np.ndarray | None:
+    """Asymmetric error bars from each mean to the min and max over seeds; None when no bar has
+    more than one seed."""
+    if all(n <= 1 for _, _, n in spreads):
+        return None
+    lo = [m - s[0] if s[2] > 1 else 0.0 for m, s in zip(means, spreads, strict=True)]
+    hi = [s[1] - m if s[2] > 1 else 0.0 for m, s in zip(means, spreads, strict=True)]
+    return np.nan_to_num(np.array([lo, hi]))
+
+
+def _ttft_against(table: _Table, index: int, title: str) -> Any:
     field = table.fields[index]
     values = [c[index] for c in table.combos]
     xs = list(dict.fromkeys(values))
@@ -149,27 +185,38 @@ def _ttft_against(table: _Table, index: int, path: Path, title: str) -> None:
     numeric = _numeric(xs)
     order = sorted(xs) if numeric else xs
     positions = order if numeric else list(range(len(order)))
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), dpi=100)
     other_fields = table.fields[:index] + table.fields[index + 1 :]
+    lines: list[tuple[str, str, list[float], list[tuple[float, float, int]]]] = []
     for baseline in table.baselines:
-        groups = others if per_combo else [None]
-        for other in groups:
+        for other in others if per_combo else [None]:
             if other is None:
                 label = baseline
             else:
                 label = baseline + "".join(
                     f", {n}={_show(v)}" for n, v in zip(_short(other_fields), other, strict=True)
                 )
-            for ax, key in zip(axes, ("ttft_s.mean", "ttft_s.p99"), strict=True):
-                ys = []
+            for key in ("ttft_s.mean", "ttft_s.p99"):
+                means, spreads = [], []
                 for x in order:
                     combos = [
                         c
                         for c in table.combos
                         if c[index] == x and (other is None or c[:index] + c[index + 1 :] == other)
                     ]
-                    ys.append(table.mean(combos, baseline, key))
-                ax.plot(positions, ys, marker="o", label=label)
+                    means.append(table.mean(combos, baseline, key))
+                    spreads.append(table.spread(combos, baseline, key))
+                lines.append((label, key, means, spreads))
+    if all(math.isnan(v) for *_, means, _ in lines for v in means):
+        return f"No request completed in any run: no TTFT to plot against {field}."
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), dpi=100)
+    for ax, key in zip(axes, ("ttft_s.mean", "ttft_s.p99"), strict=True):
+        for i, (label, _, means, spreads) in enumerate(line for line in lines if line[1] == key):
+            style = _style(i)
+            ax.plot(positions, means, label=label, markersize=5, **style)
+            if any(n > 1 for *_, n in spreads):
+                lo = [s[0] for s in spreads]
+                hi = [s[1] for s in spreads]
+                ax.fill_between(positions, lo, hi, color=style["color"], alpha=0.15, linewidth=0)
     for ax, what in zip(axes, ("mean", "p99"), strict=True):
         ax.set_xlabel(field)
         ax.set_ylabel(f"TTFT {what} (s)")
@@ -179,21 +226,33 @@ def _ttft_against(table: _Table, index: int, path: Path, title: str) -> None:
             ax.set_xticks(positions, [_show(x) for x in order])
     axes[1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1))
     fig.tight_layout()
-    _save(fig, path)
+    return fig
 
 
-def _ttft_by_baseline(table: _Table, path: Path, title: str) -> None:
+def _ttft_by_baseline(table: _Table, title: str) -> Any:
+    keys = ("ttft_s.mean", "ttft_s.p99")
+    bars = {key: [table.mean(table.combos, b, key) for b in table.baselines] for key in keys}
+    if all(math.isnan(v) for ys in bars.values() for v in ys):
+        return "No request completed in any run: no TTFT to plot."
     fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
     x = np.arange(len(table.baselines))
-    for i, key in enumerate(("ttft_s.mean", "ttft_s.p99")):
-        ys = [table.mean(table.combos, b, key) for b in table.baselines]
-        ax.bar(x + (i - 0.5) * 0.4, ys, width=0.4, label=key.split(".")[1])
+    for i, (key, ys) in enumerate(bars.items()):
+        spreads = [table.spread(table.combos, b, key) for b in table.baselines]
+        ax.bar(
+            x + (i - 0.5) * 0.4,
+            np.nan_to_num(ys),
+            width=0.4,
+            label=key.split(".")[1],
+            yerr=_errors(ys, spreads),
+            capsize=3,
+            hatch=("", "//")[i],
+        )
     ax.set_xticks(x, table.baselines)
     ax.set_ylabel("TTFT (s)")
     ax.set_title(title)
     ax.legend()
     fig.tight_layout()
-    _save(fig, path)
+    return fig
 
 
 def _height(rows: int) -> float:
@@ -205,8 +264,15 @@ def _yticks(ax: Any, table: _Table) -> None:
     ax.invert_yaxis()  # the first combination on top, as in the table
 
 
-def _tiers(table: _Table, path: Path, title: str) -> None:
+def _tiers(table: _Table, title: str) -> Any:
     """Horizontal stacked bars, one panel per baseline: long combination labels stay legible."""
+    shares = {
+        (b, t): [100 * table.mean([c], b, f"share.{t}") for c in table.combos]
+        for b in table.baselines
+        for t in TIERS
+    }
+    if _empty(v for ys in shares.values() for v in ys):
+        return "No prompt tokens were restored on the decode node from any tier, in any run."
     n = len(table.baselines)
     fig, axes = plt.subplots(
         1, n, figsize=(2.2 + 2.8 * n, _height(len(table.combos))), dpi=100, sharey=True, squeeze=False
@@ -214,9 +280,9 @@ def _tiers(table: _Table, path: Path, title: str) -> None:
     y = np.arange(len(table.combos))
     for ax, baseline in zip(axes[0], table.baselines, strict=True):
         left = np.zeros(len(table.combos))
-        for tier in TIERS:
-            share = np.nan_to_num([100 * table.mean([c], baseline, f"share.{tier}") for c in table.combos])
-            ax.barh(y, share, left=left, label=tier.upper())
+        for hatch, tier in zip(("", "//", ".."), TIERS, strict=True):
+            share = np.nan_to_num(shares[baseline, tier])
+            ax.barh(y, share, left=left, label=tier.upper(), hatch=hatch, edgecolor="white")
             left += share
         ax.set_title(baseline, fontsize=10)
         ax.set_xlim(0, 100)
@@ -225,24 +291,40 @@ def _tiers(table: _Table, path: Path, title: str) -> None:
     _yticks(axes[0][0], table)
     axes[0][-1].legend(loc="upper left", bbox_to_anchor=(1.02, 1))
     fig.suptitle(f"{title}: prompt tokens restored on the decode node, by tier")
-    _save(fig, path)
+    return fig
 
 
-def _grouped(table: _Table, key: str, xlabel: str, path: Path, title: str) -> None:
-    """Horizontal bars grouped by combination, one bar per baseline."""
+HATCHES = ("", "//", "..", "xx", "\\\\", "++")
+
+
+def _grouped(table: _Table, key: str, xlabel: str, title: str, what: str) -> Any:
+    """Horizontal bars grouped by combination, one bar per baseline; `what` names the figure in
+    the note shown when every run has none of it."""
+    means = {b: [table.mean([c], b, key) for c in table.combos] for b in table.baselines}
+    if _empty(v for ys in means.values() for v in ys):
+        return f"Every run has 0 {what}: nothing to plot."
     rows = len(table.combos) * max(1, len(table.baselines)) / 2.5
     fig, ax = plt.subplots(figsize=(8.0, _height(int(rows) + 1)), dpi=100)
     y = np.arange(len(table.combos))
     height = 0.8 / max(len(table.baselines), 1)
     for i, baseline in enumerate(table.baselines):
-        xs = np.nan_to_num([table.mean([c], baseline, key) for c in table.combos])
-        ax.barh(y + (i - (len(table.baselines) - 1) / 2) * height, xs, height=height, label=baseline)
+        spreads = [table.spread([c], baseline, key) for c in table.combos]
+        ax.barh(
+            y + (i - (len(table.baselines) - 1) / 2) * height,
+            np.nan_to_num(means[baseline]),
+            height=height,
+            label=baseline,
+            xerr=_errors(means[baseline], spreads),
+            capsize=2,
+            hatch=HATCHES[i % len(HATCHES)],
+            edgecolor="white",
+        )
     _yticks(ax, table)
     ax.set_xlabel(xlabel)
     ax.set_title(title)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1))
     ax.grid(True, axis="x", alpha=0.3)
-    _save(fig, path)
+    return fig
 
 
 # --- the page -------------------------------------------------------------------------------
@@ -312,65 +394,59 @@ def _table_html(table: _Table) -> str:
     )
 
 
-def _figure(src: str, alt: str) -> str:
-    return f'<p><img src="{html.escape(src)}" alt="{html.escape(alt)}"></p>'
+def _figure(drawn: Any, alt: str) -> str:
+    """A figure as an embedded image, or the note that replaces an empty one."""
+    if isinstance(drawn, str):
+        return f'<p class="note empty">{html.escape(drawn)}</p>'
+    return f'<p><img src="{_png(drawn)}" alt="{html.escape(alt)}"></p>'
 
 
 def write_report(folder: Path) -> Path:
-    """Write `folder/report.html` and its PNGs in `folder/report/` for the sweep in `folder`;
-    returns the HTML file's path."""
+    """Write `folder/report.html` for the sweep in `folder`, its plots embedded; returns the
+    file's path."""
     data = read_sweep(folder)
     table = _Table(data)
     manifest = data.manifest
     name = str(manifest["base"].get("name", "sweep"))
-    images = folder / "report"
-    images.mkdir(exist_ok=True)
-    for old in images.glob("*.png"):
-        old.unlink()
-    sections: list[tuple[str, list[str]]] = []
+    old_images = folder / "report"  # where reports before embedding kept their PNGs
+    if old_images.is_dir():
+        for old in old_images.glob("*.png"):
+            old.unlink()
+        if not any(old_images.iterdir()):
+            old_images.rmdir()
+    sections: dict[str, list[str]] = {}
 
-    def plot(section: str, filename: str, alt: str, draw: Any) -> None:
-        draw(images / filename)
-        src = f"report/{filename}"
-        for title, items in sections:
-            if title == section:
-                items.append(_figure(src, alt))
-                return
-        sections.append((section, [_figure(src, alt)]))
+    def plot(section: str, alt: str, draw: Any) -> None:
+        sections.setdefault(section, []).append(_figure(draw(), alt))
 
     if data.runs:
         if table.fields:
             for i, field in enumerate(table.fields):
                 plot(
                     "Time to first token",
-                    f"ttft_{_slug(field)}.png",
                     f"TTFT mean and p99 against {field}",
-                    lambda p, i=i: _ttft_against(table, i, p, name),
+                    lambda i=i: _ttft_against(table, i, name),
                 )
         else:
-            plot(
-                "Time to first token",
-                "ttft.png",
-                "TTFT by baseline",
-                lambda p: _ttft_by_baseline(table, p, name),
-            )
+            plot("Time to first token", "TTFT by baseline", lambda: _ttft_by_baseline(table, name))
         plot(
             "Prompt tokens restored, by tier",
-            "hit_by_tier.png",
             "prompt tokens restored on the decode node by tier",
-            lambda p: _tiers(table, p, name),
+            lambda: _tiers(table, name),
         )
         plot(
             "Bytes over the P->D link",
-            "pd_transfer.png",
             "KV bytes sent from prefill to decode",
-            lambda p: _grouped(table, "pd_gb", "KV sent prefill -> decode (GB)", p, name),
+            lambda: _grouped(
+                table, "pd_gb", "KV sent prefill -> decode (GB)", name, "bytes over the P->D link"
+            ),
         )
         plot(
             "Fallback tokens",
-            "fallback_tokens.png",
             "tokens re-requested from prefill after a restore fell short",
-            lambda p: _grouped(table, "fallback_tokens", "fallback tokens (re-sent by prefill)", p, name),
+            lambda: _grouped(
+                table, "fallback_tokens", "fallback tokens (re-sent by prefill)", name, "fallback tokens"
+            ),
         )
     grid = "; ".join(f"{g['field']} = {', '.join(_show(v) for v in g['values'])}" for g in manifest["grid"])
     facts = [
@@ -393,12 +469,14 @@ def write_report(folder: Path) -> Path:
         f"<h1>Sweep: {html.escape(name)}</h1>",
         "<dl>" + "".join(f"<dt>{html.escape(k)}</dt><dd>{html.escape(v)}</dd>" for k, v in facts) + "</dl>",
         "<h2>Results</h2>",
-        '<p class="note">Means over seeds. TTFT and TPOT over completed requests; hit and L1/L2/L3 '
+        '<p class="note">Means over seeds; in the plots, bands (lines) and error bars (bars) span '
+        "the min to the max over seeds where a point has several. TTFT and TPOT over completed "
+        "requests; hit and L1/L2/L3 "
         "are shares of prompt tokens restored on the decode node. Every metric of every run and "
         'baseline: <a href="sweep.csv">sweep.csv</a>.</p>',
         _table_html(table) if data.runs else '<p class="note">No finished runs yet.</p>',
     ]
-    for title, items in sections:
+    for title, items in sections.items():
         parts.append(f"<h2>{html.escape(title)}</h2>")
         parts.extend(items)
     parts += ["</body>", "</html>", ""]

@@ -7,9 +7,12 @@ Layout of a sweep folder:
 - `runs/<id>.json`: one finished run (its overrides, seed, the scenario as run, and per baseline
   the summary and channels), written to a temporary name and renamed, so a file that exists is
   whole. The id is a hash of the run's grid overrides and seed, stable across processes;
-- `sweep.csv`: rebuilt from the run files, one row per (run, baseline): `run_id`, `seed`, the
-  swept fields, `baseline`, then every scalar of the summary flattened (`ttft_s.p99`,
-  `cached_tokens.l1`, ...) except `wall_s`, so identical configurations give identical bytes.
+- `sweep.csv`: rebuilt from the run files, one row per (run, baseline) in the plan's order (grid
+  values as given, then seed, then the scenario's baselines): `run_id`, `seed`, the swept fields,
+  `run` (the baseline, named as in `requests.csv`), then every scalar of the summary flattened
+  (`ttft_s.p99`, `cached_tokens.l1`, ..., `wall_s`) and of the channels (`channels.<link>.bytes`,
+  `.transfers`, `.utilization`), in a fixed column order; byte counts are integers. Only the
+  `wall_s` cells (measured on the host) differ between two sweeps of the same configurations.
 
 A run's results depend only on its scenario and seed; where and in which order runs execute
 changes nothing. The local executor uses a process pool started by forkserver (or spawn): forking
@@ -26,6 +29,7 @@ import json
 import math
 import multiprocessing
 import os
+import socket
 import sys
 import time
 import tomllib
@@ -44,9 +48,31 @@ from hicache.sim.setup import setups
 FORMAT = 1
 EXECUTORS = ("local", "ray")
 RAY_HINT = "pip install 'hicache[ray]'"
-# Summary fields that vary between two runs of the same configuration: kept in the run files,
-# left out of sweep.csv.
-VOLATILE = frozenset({"wall_s"})
+RAY_CONNECT_TIMEOUT_S = 10.0
+# The summary's keys in the order sweep.csv lists them (hicache.results.summarize and the
+# cluster's additions); keys not listed follow, alphabetically, so the columns never depend on
+# which runs are present.
+SUMMARY_ORDER = (
+    "requests",
+    "completed",
+    "failed",
+    "ttft_s",
+    "tpot_s",
+    "e2e_s",
+    "prompt_tokens",
+    "cached_tokens",
+    "hit_rate",
+    "prefill_cached_tokens",
+    "pd_transfer_bytes",
+    "fallback_tokens",
+    "retractions",
+    "events",
+    "core_events",
+    "simulated_s",
+    "wall_s",
+    "faults_injected",
+    "channels",
+)
 
 
 class SweepError(ValueError):
@@ -377,18 +403,22 @@ def local_executor(workers: int | None = None) -> Executor:
     return execute
 
 
-def ray_executor(address: str | None = None) -> Executor:
+def ray_executor(address: str | None = None, timeout_s: float = RAY_CONNECT_TIMEOUT_S) -> Executor:
     """One Ray task per run, on the cluster at `address` (else `RAY_ADDRESS`, else a local
-    instance). Every node needs hicache installed, and a trace workload's file at its path."""
+    instance). Every node needs hicache installed, and a trace workload's file at its path.
+    The address is checked here, before anything runs: `ray.init` retries an unreachable head
+    for minutes."""
     try:
         import ray  # optional: imported only when asked for
     except ImportError:
         raise SweepError(f"--executor ray: Ray is not installed; {RAY_HINT}") from None
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    check_ray_address(address, timeout_s)
 
     def execute(runs: Sequence[SweepRun]) -> Iterator[Finished]:
         started = not ray.is_initialized()
         if started:
-            ray.init(address=address or os.environ.get("RAY_ADDRESS") or None)
+            ray.init(address=address)
         task = ray.remote(execute_run)
         pending = {task.remote(r): r.id for r in runs}
         try:
@@ -407,6 +437,38 @@ def ray_executor(address: str | None = None) -> Executor:
                 ray.shutdown()
 
     return execute
+
+
+def ray_endpoint(address: str) -> tuple[str, int] | None:
+    """The host and port that `address` (`HOST:PORT` or `ray://HOST:PORT`) names; None for
+    the addresses Ray resolves itself (`auto`, `local`)."""
+    text = address.strip()
+    if text in ("auto", "local"):
+        return None
+    rest = text.split("://", 1)[1] if "://" in text else text
+    host, sep, port = rest.rstrip("/").rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise SweepError(f"--ray-address: {address!r}: expected HOST:PORT, ray://HOST:PORT or auto")
+    return host, int(port)
+
+
+def check_ray_address(address: str | None, timeout_s: float = RAY_CONNECT_TIMEOUT_S) -> None:
+    """Fail within `timeout_s` when nothing accepts connections at `address` (None: Ray starts
+    a local instance, nothing to reach)."""
+    if address is None:
+        return
+    endpoint = ray_endpoint(address)
+    if endpoint is None:
+        return
+    try:
+        socket.create_connection(endpoint, timeout=timeout_s).close()
+    except OSError as exc:
+        reason = "timed out" if isinstance(exc, TimeoutError) else (exc.strerror or str(exc))
+        raise SweepError(
+            f"--ray-address: cannot reach the Ray cluster at {address} within {timeout_s:g} s "
+            f"({reason}); is its head node running (ray start --head) and the port open?"
+        ) from None
 
 
 def make_executor(name: str, workers: int | None = None, ray_address: str | None = None) -> Executor:
@@ -435,6 +497,29 @@ def _first_difference(a: Any, b: Any, path: str = "") -> str:
     return f"{path or 'scenario'}: was {json.dumps(a, default=str)}, now {json.dumps(b, default=str)}"
 
 
+def _show_values(values: Sequence[Any]) -> str:
+    return "[" + ", ".join(to_toml(v) for v in values) + "]"
+
+
+def _grid_difference(before: Mapping[str, Any], now: Mapping[str, Any]) -> str:
+    """What differs between two manifests' grids and seeds ("" when nothing): a resume that
+    mixed them would leave runs of both sweeps in one folder and one sweep.csv. The order the
+    grids are given in does not matter (run ids do not depend on it)."""
+    now = json.loads(json.dumps(now, default=str))  # compared as sweep.json holds it
+    was = {g["field"]: g["values"] for g in before.get("grid", [])}
+    new = {g["field"]: g["values"] for g in now["grid"]}
+    for field in [*was, *(f for f in new if f not in was)]:
+        if field not in new:
+            return f"--grid {field}: was {_show_values(was[field])}, now not swept"
+        if field not in was:
+            return f"--grid {field}: was not swept, now {_show_values(new[field])}"
+        if was[field] != new[field]:
+            return f"--grid {field}: was {_show_values(was[field])}, now {_show_values(new[field])}"
+    if before.get("seeds") != now["seeds"]:
+        return f"seeds: was {before.get('seeds')}, now {now['seeds']} (--repeat)"
+    return ""
+
+
 def _prepare(out: Path, plan: SweepPlan, resume: bool) -> None:
     if out.exists() and not out.is_dir():
         raise SweepError(f"--out: {out} exists and is not a folder")
@@ -450,6 +535,9 @@ def _prepare(out: Path, plan: SweepPlan, resume: bool) -> None:
         if before.get("base") != plan.base:
             detail = _first_difference(before.get("base"), plan.base)
             raise SweepError(f"--resume: {out} was swept over another scenario ({detail}); use another --out")
+        detail = _grid_difference(before, plan.manifest())
+        if detail:
+            raise SweepError(f"--resume: {out} was swept over another grid ({detail}); use another --out")
     (out / "runs").mkdir(parents=True, exist_ok=True)
     for stale in (out / "runs").glob("*.json.tmp"):  # a writer killed between write and rename
         stale.unlink()
@@ -505,44 +593,65 @@ def run_sweep(
 
 
 def flatten(summary: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """Scalars of a nested summary under dotted names, leaving out the volatile ones."""
+    """Scalars of a nested summary under dotted names."""
     out: dict[str, Any] = {}
     for key, value in summary.items():
         name = f"{prefix}{key}"
         if isinstance(value, Mapping):
             out.update(flatten(value, name + "."))
-        elif name not in VOLATILE and (value is None or isinstance(value, int | float | str)):
+        elif value is None or isinstance(value, int | float | str):
             out[name] = value
     return out
 
 
-def _metric_cell(value: Any) -> Any:
+def _column_key(name: str) -> tuple[int, str]:
+    """Columns by their summary key's place in SUMMARY_ORDER, then by name: fixed whatever
+    runs are present."""
+    top, _, rest = name.partition(".")
+    rank = SUMMARY_ORDER.index(top) if top in SUMMARY_ORDER else len(SUMMARY_ORDER)
+    return (rank, name if rank == len(SUMMARY_ORDER) else rest)
+
+
+def _is_bytes(name: str) -> bool:
+    last = name.rsplit(".", 1)[-1]
+    return last == "bytes" or last.endswith("_bytes")
+
+
+def _metric_cell(name: str, value: Any) -> Any:
+    """A metric as a CSV cell: byte counts as integers, floats exactly (repr), None empty."""
     if value is None:
         return ""
+    if _is_bytes(name) and isinstance(value, float) and math.isfinite(value):
+        return str(round(value))
     if isinstance(value, float):
         return repr(value)
     return value
 
 
 def sweep_rows(plan: SweepPlan, out: Path) -> tuple[list[str], list[list[Any]]]:
-    """The header and rows of sweep.csv from the run files present, sorted by run id then
-    baseline."""
+    """The header and rows of sweep.csv from the run files present, in the plan's order of runs
+    and the scenario's order of baselines."""
     rows: list[tuple[SweepRun, str, dict[str, Any]]] = []
-    for run in sorted(plan.runs, key=lambda r: r.id):
+    for run in plan.runs:
         doc = read_run(out, run)
         if doc is None:
             continue
-        for baseline in sorted(doc["baselines"]):
-            rows.append((run, baseline, flatten(doc["baselines"][baseline]["summary"])))
-    metrics = list(dict.fromkeys(k for _, _, m in rows for k in m))
-    header = ["run_id", "seed", *plan.fields, "baseline", *metrics]
+        saved = doc["baselines"]
+        order = [b for b in run.scenario["run"]["baselines"] if b in saved]
+        for baseline in [*order, *sorted(set(saved) - set(order))]:
+            metrics = dict(saved[baseline]["summary"])
+            if isinstance(saved[baseline].get("channels"), Mapping):
+                metrics["channels"] = saved[baseline]["channels"]
+            rows.append((run, baseline, flatten(metrics)))
+    metrics_names = sorted({k for _, _, m in rows for k in m}, key=_column_key)
+    header = ["run_id", "seed", *plan.fields, "run", *metrics_names]
     body = [
         [
             run.id,
             run.seed,
             *(cell(v) for _, v in run.overrides),
             baseline,
-            *(_metric_cell(m.get(k)) for k in metrics),
+            *(_metric_cell(k, m.get(k)) for k in metrics_names),
         ]
         for run, baseline, m in rows
     ]

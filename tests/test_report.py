@@ -1,8 +1,12 @@
-"""The sweep report: one self-contained HTML page whose every image is a PNG beside it, a table
-row per configuration and baseline, and (where a browser is installed) a page that renders."""
+"""The sweep report: one self-contained HTML page whose every image is an embedded PNG, a table
+row per configuration and baseline, lines told apart by more than colour, the spread across seeds
+drawn, notes instead of empty plots, and (where a browser is installed) a page that renders."""
 
 from __future__ import annotations
 
+import base64
+import io
+import json
 import shutil
 import subprocess
 from html.parser import HTMLParser
@@ -12,9 +16,11 @@ from urllib.parse import urlparse
 import matplotlib.image
 import numpy as np
 import pytest
+from matplotlib.container import ErrorbarContainer
 
 from hicache.cli import main
-from hicache.sim.sweep import local_executor, plan_sweep, run_sweep
+from hicache.sim import report
+from hicache.sim.sweep import local_executor, plan_sweep, read_sweep, run_sweep
 
 SCENARIO = """
 name = "report-test"
@@ -46,6 +52,7 @@ class Page(HTMLParser):
         super().__init__()
         self.tags: list[str] = []
         self.images: list[str] = []
+        self.alts: list[str] = []
         self.links: list[str] = []
         self.rows = 0
         self._in_body = False
@@ -55,6 +62,7 @@ class Page(HTMLParser):
         a = dict(attrs)
         if tag == "img":
             self.images.append(a["src"] or "")
+            self.alts.append(a.get("alt") or "")
         if tag in ("a", "link") and a.get("href"):
             self.links.append(a["href"] or "")
         if tag in ("script", "iframe", "object", "embed") or (tag == "link" and a.get("href")):
@@ -95,22 +103,19 @@ def test_report_is_self_contained_and_its_images_are_pngs(sweep: Path) -> None:
     page = _parse(sweep / "report.html")
     assert {"html", "head", "style", "body", "table", "img"} <= set(page.tags)
     assert not [link for link in page.links if link.startswith("<")]  # no scripts, frames, stylesheets
-    for ref in page.images + page.links:
+    for ref in page.links:
         parsed = urlparse(ref)
         assert not parsed.scheme and not parsed.netloc and not ref.startswith("/"), ref
-    assert sorted(page.images) == sorted(f"report/{p.name}" for p in (sweep / "report").iterdir())
-    assert {Path(src).name for src in page.images} == {
-        "ttft_cache.prefetch_policy.png",
-        "ttft_cache.hicache_ratio.png",
-        "hit_by_tier.png",
-        "pd_transfer.png",
-        "fallback_tokens.png",
-    }
+    # Every image is inside the page: it needs no file beside it.
+    assert not (sweep / "report").exists()
+    assert len(page.images) == 4  # and a note for the fallback tokens, of which there are none
+    assert "Every run has 0 fallback tokens" in (sweep / "report.html").read_text(encoding="utf-8")
     for src in page.images:
-        path = sweep / src
-        assert path.read_bytes()[:8] == PNG, src
-        pixels = matplotlib.image.imread(path)
-        assert pixels.std() > 0.01, src  # something was drawn
+        assert src.startswith("data:image/png;base64,"), src[:40]
+        png = base64.b64decode(src.split(",", 1)[1])
+        assert png[:8] == PNG
+        pixels = matplotlib.image.imread(io.BytesIO(png))
+        assert pixels.std() > 0.01  # something was drawn
     assert all((sweep / link).exists() for link in page.links)  # sweep.csv
     assert page.rows == 4 * 2  # combinations x baselines
     text = (sweep / "report.html").read_text(encoding="utf-8")
@@ -127,7 +132,7 @@ def test_report_of_a_partial_sweep_says_so(sweep: Path, tmp_path: Path) -> None:
     page = _parse(partial / "report.html")
     assert page.rows == 1 * 2
     assert "1 of 4" in (partial / "report.html").read_text(encoding="utf-8")
-    assert all((partial / src).read_bytes()[:8] == PNG for src in page.images)
+    assert all(src.startswith("data:image/png;base64,") for src in page.images)
 
 
 def test_report_without_a_grid_compares_baselines(tmp_path: Path) -> None:
@@ -137,12 +142,11 @@ def test_report_without_a_grid_compares_baselines(tmp_path: Path) -> None:
     run_sweep(plan_sweep(scenario, [], repeat=2), out, executor=local_executor(1))
     assert main(["sim", "report", str(out)]) == 0
     page = _parse(out / "report.html")
-    assert {Path(src).name for src in page.images} == {
-        "ttft.png",
-        "hit_by_tier.png",
-        "pd_transfer.png",
-        "fallback_tokens.png",
-    }
+    assert page.alts[:3] == [
+        "TTFT by baseline",
+        "prompt tokens restored on the decode node by tier",
+        "KV bytes sent from prefill to decode",
+    ]
     assert page.rows == 2  # one configuration, two baselines, averaged over two seeds
 
 
@@ -154,7 +158,7 @@ def test_report_of_array_values(tmp_path: Path) -> None:
     run_sweep(plan, out, executor=local_executor(1))
     assert main(["sim", "report", str(out)]) == 0
     page = _parse(out / "report.html")
-    assert "ttft_workload.user_tokens.png" in {Path(src).name for src in page.images}
+    assert "TTFT mean and p99 against workload.user_tokens" in page.alts
     assert page.rows == 2 * 2
     assert "[300, 600]" in (out / "report.html").read_text(encoding="utf-8")
 
@@ -193,3 +197,65 @@ def test_report_renders_in_a_headless_browser(sweep: Path, tmp_path: Path) -> No
     colours = np.unique((pixels * 255).astype(np.uint8).reshape(-1, 3), axis=0)
     assert len(colours) > 16  # text, table and plots, not a blank page
     assert (pixels < 0.5).mean() > 0.001  # some dark ink on the white page
+
+
+def _seeded_table(tmp_path: Path, grids: list[str]) -> report._Table:
+    scenario = tmp_path / "s.toml"
+    scenario.write_text(SCENARIO.replace("conversations = 5", "conversations = 3"), encoding="utf-8")
+    out = tmp_path / "seeds"
+    run_sweep(plan_sweep(scenario, grids, repeat=2), out, executor=local_executor(1))
+    return report._Table(read_sweep(out))
+
+
+def test_lines_differ_in_marker_and_dash_and_seeds_show_their_spread(tmp_path: Path) -> None:
+    table = _seeded_table(tmp_path, ["cache.hicache_ratio=1,2", "cache.promise=eager,adaptive"])
+    fig = report._ttft_against(table, 0, "t")
+    for ax in fig.axes[:2]:
+        lines = ax.get_lines()
+        assert len(lines) == 4  # 2 baselines x 2 promise values
+        # Two lines of equal values would hide one another if they differed by colour alone.
+        assert len({(ln.get_marker(), ln.get_linestyle()) for ln in lines}) == len(lines)
+        assert len(ax.collections) == len(lines)  # a min-max band over the two seeds per line
+        for ln, band in zip(lines, ax.collections, strict=True):
+            lo, hi = band.get_paths()[0].vertices[:, 1].min(), band.get_paths()[0].vertices[:, 1].max()
+            assert lo <= min(ln.get_ydata()) and max(ln.get_ydata()) <= hi
+    matplotlib.pyplot.close(fig)
+    assert len({(s["marker"], s["linestyle"]) for s in map(report._style, range(20))}) == 20
+    fig = report._grouped(table, "pd_gb", "GB", "t", "bytes")
+    assert any(isinstance(c, ErrorbarContainer) for c in fig.axes[0].containers)
+    matplotlib.pyplot.close(fig)
+
+
+def test_one_seed_draws_no_spread(sweep: Path) -> None:
+    table = report._Table(read_sweep(sweep))
+    fig = report._ttft_against(table, 0, "t")
+    assert all(not ax.collections for ax in fig.axes)
+    matplotlib.pyplot.close(fig)
+
+
+def test_an_empty_plot_becomes_a_note(sweep: Path, tmp_path: Path) -> None:
+    """Runs in which no request completed and nothing was restored, sent or re-sent."""
+    empty = tmp_path / "empty"
+    shutil.copytree(sweep, empty)
+    for path in (empty / "runs").glob("*.json"):
+        doc = json.loads(path.read_text(encoding="utf-8"))
+        for saved in doc["baselines"].values():
+            summary = saved["summary"]
+            summary["completed"] = 0
+            summary["ttft_s"] = dict.fromkeys(summary["ttft_s"])
+            summary["tpot_s"] = dict.fromkeys(summary["tpot_s"])
+            summary["cached_tokens"] = {"l1": 0, "l2": 0, "l3": 0}
+            summary["pd_transfer_bytes"] = 0.0
+            summary["fallback_tokens"] = 0
+        path.write_text(json.dumps(doc), encoding="utf-8")
+    assert main(["sim", "report", str(empty)]) == 0
+    page = _parse(empty / "report.html")
+    assert page.images == []
+    text = (empty / "report.html").read_text(encoding="utf-8")
+    assert text.count('class="note empty"') == 5
+    for needle in (
+        "No request completed",
+        "no TTFT to plot against cache.hicache_ratio",
+        "0 fallback tokens",
+    ):
+        assert needle in text

@@ -669,3 +669,9 @@ def test_the_workload_seed_overrides_the_scenario_seed() -> None:
     assert tokens({"seed": 5, "workload": small}) != tokens({"seed": 6, "workload": small})
     items = build_workload(parse_scenario({"seed": 5, "workload": small}, "s.toml"))
     assert all(np.array_equal(i.prompt[:16], items[0].prompt[:16]) for i in items)
+
+
+def test_a_trace_path_under_an_unknown_users_home_is_a_scenario_error() -> None:
+    """`~name/...` of a user the machine does not have: named, not a RuntimeError from pathlib."""
+    with pytest.raises(ScenarioError, match=r"workload\.path: cannot expand '~no-such-user-0/t\.jsonl'"):
+        parse_scenario({"workload": {"kind": "trace", "path": "~no-such-user-0/t.jsonl"}}, "x.toml")

@@ -8,6 +8,8 @@ import csv
 import json
 import math
 import shutil
+import socket
+import time
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,7 @@ from hicache.sim.sweep import (
     SweepError,
     SweepPlan,
     cell,
+    check_ray_address,
     local_executor,
     parse_grid,
     plan_sweep,
@@ -31,6 +34,7 @@ from hicache.sim.sweep import (
     run_path,
     run_sweep,
     to_toml,
+    write_sweep_csv,
 )
 
 SCENARIO = """
@@ -103,33 +107,66 @@ def test_every_run_equals_its_configuration_simulated_alone(
     assert ttft_by_seed[0].isdisjoint(ttft_by_seed[1])
 
 
-def test_sweep_csv_has_a_row_per_run_and_baseline(full: tuple[SweepPlan, Path, list[str]]) -> None:
-    plan, out, _ = full
-    with (out / "sweep.csv").open(newline="", encoding="utf-8") as f:
+def _csv(path: Path) -> tuple[list[str], list[dict[str, str]]]:
+    with path.open(newline="", encoding="utf-8") as f:
         reader = csv.reader(f)
         header = next(reader)
-        rows = [dict(zip(header, row, strict=True)) for row in reader]
-    assert header[:5] == ["run_id", "seed", "cache.prefetch_policy", "cache.hicache_ratio", "baseline"]
+        return header, [dict(zip(header, row, strict=True)) for row in reader]
+
+
+def _without_wall(path: Path) -> list[list[str]]:
+    """sweep.csv less its wall_s cells, the one figure measured on the host."""
+    header, rows = _csv(path)
+    keep = [h for h in header if h != "wall_s"]
+    return [keep, *([row[h] for h in keep] for row in rows)]
+
+
+def test_sweep_csv_has_a_row_per_run_and_baseline(full: tuple[SweepPlan, Path, list[str]]) -> None:
+    plan, out, _ = full
+    header, rows = _csv(out / "sweep.csv")
+    # The baseline column is named as in requests.csv.
+    assert header[:5] == ["run_id", "seed", "cache.prefetch_policy", "cache.hicache_ratio", "run"]
     for column in ("ttft_s.mean", "ttft_s.p99", "tpot_s.p90", "cached_tokens.l1", "cached_tokens.l3"):
         assert column in header
-    for column in ("hit_rate", "pd_transfer_bytes", "fallback_tokens", "events", "completed"):
+    for column in ("hit_rate", "pd_transfer_bytes", "fallback_tokens", "events", "completed", "wall_s"):
         assert column in header
-    assert "wall_s" not in header
     assert len(rows) == 16
-    assert [(r["run_id"], r["baseline"]) for r in rows] == sorted((r["run_id"], r["baseline"]) for r in rows)
+    # Rows in the plan's order (grid values as given, then seed), baselines in the scenario's.
+    assert [(r["run_id"], r["run"]) for r in rows] == [(p.id, b) for p in plan.runs for b in plan.baselines]
     runs = {r.id: r for r in plan.runs}
     for row in rows:
         run = runs[row["run_id"]]
         assert row["seed"] == str(run.seed)
         assert [row[f] for f in plan.fields] == [cell(v) for _, v in run.overrides]
         doc = json.loads(run_path(out, run.id).read_text(encoding="utf-8"))
-        summary = doc["baselines"][row["baseline"]]["summary"]
+        saved = doc["baselines"][row["run"]]
+        summary = saved["summary"]
         assert float(row["ttft_s.p99"]) == summary["ttft_s"]["p99"]
         assert int(row["cached_tokens.l2"]) == summary["cached_tokens"]["l2"]
-        assert float(row["pd_transfer_bytes"]) == summary["pd_transfer_bytes"]
+        assert float(row["wall_s"]) == summary["wall_s"] > 0
+        # Byte counts are integers; every link's utilisation is there.
+        assert row["pd_transfer_bytes"] == str(round(summary["pd_transfer_bytes"]))
+        for link, figures in saved["channels"].items():
+            assert row[f"channels.{link}.bytes"] == str(round(figures["bytes"]))
+            assert float(row[f"channels.{link}.utilization"]) == figures["utilization"]
+    assert any(h.endswith(".utilization") for h in header)
     assert {(r["cache.prefetch_policy"], r["cache.hicache_ratio"], r["seed"]) for r in rows} == {
         (p, h, s) for p in ("best_effort", "wait_complete") for h in ("1", "2") for s in ("0", "1")
     }
+
+
+def test_sweep_csv_columns_do_not_depend_on_the_runs_present(
+    full: tuple[SweepPlan, Path, list[str]], tmp_path: Path
+) -> None:
+    plan, out, _ = full
+    partial = tmp_path / "partial"
+    shutil.copytree(out, partial)
+    for run in plan.runs[:5]:
+        run_path(partial, run.id).unlink()
+    write_sweep_csv(partial, plan)
+    header, rows = _csv(partial / "sweep.csv")
+    assert header == _csv(out / "sweep.csv")[0]
+    assert [r["run_id"] for r in rows] == [r.id for r in plan.runs[5:] for _ in plan.baselines]
 
 
 class Stop(Exception):
@@ -168,7 +205,7 @@ def test_an_interrupted_sweep_resumes_where_it_stopped(
     assert sorted(after) == sorted(f"{r.id}.json" for r in plan.runs)
     assert {name: after[name] for name in saved} == saved
     assert not list((out / "runs").glob("*.tmp"))
-    assert (out / "sweep.csv").read_bytes() == (full[1] / "sweep.csv").read_bytes()
+    assert _without_wall(out / "sweep.csv") == _without_wall(full[1] / "sweep.csv")
 
     # A second resume has nothing left to do.
     assert main([*args, "--resume", "--quiet"]) == 0
@@ -177,6 +214,80 @@ def test_an_interrupted_sweep_resumes_where_it_stopped(
     assert main([*args, "--resume", "--set", "cache.promise=adaptive"]) == 2
     err = capsys.readouterr().err
     assert "--resume" in err and "cache.promise" in err and "adaptive" in err
+
+
+@pytest.mark.parametrize(
+    ("args", "needles"),
+    [
+        (
+            ["--grid", GRIDS[0], "--grid", "cache.hicache_ratio=1,3", "--repeat", "2"],
+            ["cache.hicache_ratio", "3"],
+        ),
+        (["--grid", GRIDS[0], "--repeat", "2"], ["cache.hicache_ratio", "not swept"]),
+        (
+            [*GRID_ARGS, "--grid", "cache.promise=eager,adaptive", "--repeat", "2"],
+            ["cache.promise", "not swept"],
+        ),
+        ([*GRID_ARGS, "--repeat", "3"], ["seeds", "[0, 1, 2]"]),
+    ],
+)
+def test_resume_refuses_another_grid(
+    full: tuple[SweepPlan, Path, list[str]],
+    scenario_file: Path,
+    tmp_path: Path,
+    args: list[str],
+    needles: list[str],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    out = tmp_path / "sweep"
+    shutil.copytree(full[1], out)
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    assert main(["sim", "sweep", str(scenario_file), *args, "--out", str(out), "--resume", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    line = err.strip()
+    assert "\n" not in line and "--resume:" in line, err
+    for needle in needles:
+        assert needle in line, (needle, err)
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before  # nothing run or rewritten
+    # The same grid given in another order is the same sweep.
+    same = ["--grid", GRIDS[1], "--grid", GRIDS[0], "--repeat", "2"]
+    assert main(["sim", "sweep", str(scenario_file), *same, "--out", str(out), "--resume", "--quiet"]) == 0
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_an_unreachable_ray_address_fails_within_the_timeout() -> None:
+    """Checked without Ray: the probe runs before ray.init, which would retry for minutes."""
+    port = _closed_port()
+    with pytest.raises(SweepError, match=rf"--ray-address: cannot reach the Ray cluster at 127.0.0.1:{port}"):
+        check_ray_address(f"127.0.0.1:{port}", timeout_s=2)
+    with pytest.raises(SweepError, match="--ray-address: cannot reach"):
+        check_ray_address(f"ray://127.0.0.1:{port}", timeout_s=2)
+    # A host that never answers (TEST-NET-1, RFC 5737): bounded by the timeout.
+    start = time.monotonic()
+    with pytest.raises(SweepError, match="--ray-address: cannot reach the Ray cluster at 192.0.2.1:6379"):
+        check_ray_address("192.0.2.1:6379", timeout_s=0.5)
+    assert time.monotonic() - start < 3
+    with pytest.raises(SweepError, match="--ray-address: 'nonsense': expected HOST:PORT"):
+        check_ray_address("nonsense")
+    check_ray_address(None)
+    check_ray_address("auto")
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        check_ray_address(f"127.0.0.1:{listener.getsockname()[1]}", timeout_s=2)
+
+
+def test_ray_executor_checks_its_address_first(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("ray", reason="Ray is not installed: pip install 'hicache[ray]'")
+    start = time.monotonic()
+    with pytest.raises(SweepError, match="--ray-address: cannot reach"):
+        ray_executor(f"127.0.0.1:{_closed_port()}", timeout_s=2)
+    assert time.monotonic() - start < 5
 
 
 def test_an_existing_folder_needs_resume(
@@ -318,4 +429,4 @@ def test_ray_sweep_equals_the_local_one(
     for path in (out / "runs").glob("*.json"):
         path.unlink()
     run_sweep(full[0], out, executor=ray_executor(), resume=True)
-    assert (out / "sweep.csv").read_bytes() == (full[1] / "sweep.csv").read_bytes()
+    assert _without_wall(out / "sweep.csv") == _without_wall(full[1] / "sweep.csv")
