@@ -12,20 +12,32 @@ against SimPy 4.
    `Resource`s), fed identical service times; both must report the same mean TTFT, and the
    ratio of events per second is printed.
 
+3. With `--memory`: peak RSS (ru_maxrss) and wall time of the 1x trace and of a 10x
+   concatenation of it (copies shifted in time and in block ids, so no copy shares a page with
+   another; built in a temp dir), each in a fresh process, replayed in memory (`build_workload`,
+   records kept) and as a stream (`stream_workload`, records written to a CSV as they end);
+   the two must give the same summary. `--l3-tokens N` caps the shared L3 (unbounded by
+   default, and then it holds every page the trace ever had: the part that still grows).
+
     .venv/bin/python bench/replay_bench.py [--trace PATH] [--repeat 3] [--json OUT]
+    .venv/bin/python bench/replay_bench.py --memory [--copies 10] [--l3-tokens N] [--json OUT]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import resource
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import simpy
 
-from hicache.scenarios.build import build_workload
+from hicache.results import RequestsCsvStream
+from hicache.scenarios.build import build_workload, stream_workload
 from hicache.scenarios.scenario import load_scenario
 from hicache.sim.cluster import Cluster
 from hicache.sim.engine import EventLoop
@@ -56,6 +68,68 @@ def full_replay(trace: Path) -> dict:
         "real_time_multiple": s["simulated_s"] / wall,
         "hit_rate": s["hit_rate"],
     }
+
+
+def concatenated(trace: Path, copies: int, out: Path) -> Path:
+    """`copies` back-to-back copies of a Mooncake trace, each shifted past the one before in
+    time (by its span plus one second) and in block ids (by the largest id plus one)."""
+    rows = [json.loads(line) for line in trace.read_text().splitlines() if line.strip()]
+    span = max(r["timestamp"] for r in rows) + 1000
+    ids = max(max(r["hash_ids"], default=0) for r in rows) + 1
+    with out.open("w") as f:
+        for k in range(copies):
+            for r in rows:
+                shifted = {**r, "timestamp": r["timestamp"] + k * span}
+                shifted["hash_ids"] = [i + k * ids for i in r["hash_ids"]]
+                f.write(json.dumps(shifted) + "\n")
+    return out
+
+
+def memory_child(trace: Path, mode: str, l3_tokens: int) -> dict:
+    """One replay in this (fresh) process: its wall time, peak RSS and summary."""
+    sets = [f'workload.path="{trace}"', 'run.baselines=["l1_l2_l3"]']
+    if l3_tokens:
+        sets.append(f"storage.capacity_tokens={l3_tokens}")
+    scenario = load_scenario(SCENARIO, sets)
+    setup = setups(scenario)["l1_l2_l3"]
+    start = time.perf_counter()
+    if mode == "stream":
+        with tempfile.TemporaryDirectory() as tmp, RequestsCsvStream(Path(tmp) / "requests.csv") as out:
+            result = Cluster(setup).run(
+                stream_workload(scenario), on_record=lambda r: out.write("l1_l2_l3", r)
+            )
+    else:
+        result = Cluster(setup).run(build_workload(scenario))
+    wall = time.perf_counter() - start
+    summary = {k: v for k, v in result.summary.items() if k != "wall_s"}
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    return {"mode": mode, "wall_s": wall, "peak_rss_mb": peak, "summary": summary}
+
+
+def memory_bench(trace: Path, copies: int, l3_tokens: int, modes: list[str]) -> list[dict]:
+    """1x and `copies`x, each mode in its own process (ru_maxrss is a high-water mark)."""
+    out = []
+    with tempfile.TemporaryDirectory() as tmp:
+        big = concatenated(trace, copies, Path(tmp) / f"conversation_x{copies}.jsonl")
+        for label, path in (("1x", trace), (f"{copies}x", big)):
+            summaries = {}
+            for mode in modes:
+                cmd = [sys.executable, __file__, "--child", mode, "--trace", str(path)]
+                cmd += ["--l3-tokens", str(l3_tokens)]
+                run = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+                run["trace"] = label
+                s = run["summary"]
+                summaries[mode] = s
+                out.append(run)
+                print(
+                    f"{label:>4} {mode:>6}: {s['requests']:,} requests in {run['wall_s']:.1f} s, "
+                    f"peak RSS {run['peak_rss_mb']:,.0f} MB, hit rate {s['hit_rate']:.4%}",
+                    flush=True,
+                )
+            if len(summaries) == 2 and summaries["memory"] != summaries["stream"]:
+                print(f"{label}: the streamed summary differs from the in-memory one", file=sys.stderr)
+                raise SystemExit(1)
+    return out
 
 
 def skeleton(trace: Path) -> tuple[list[float], list[int], list[float], list[float], list[float]]:
@@ -154,10 +228,24 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--memory", action="store_true", help="peak RSS of 1x and --copies x, see 3.")
+    ap.add_argument("--copies", type=int, default=10)
+    ap.add_argument("--l3-tokens", type=int, default=0, help="cap the shared L3 (0: unbounded)")
+    ap.add_argument("--modes", default="memory,stream", help="which replays --memory runs")
+    ap.add_argument("--child", choices=("memory", "stream"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    args.trace = args.trace.resolve()
     if not args.trace.exists():
         print(f"no trace at {args.trace}", file=sys.stderr)
         return 2
+    if args.child:
+        print(json.dumps(memory_child(args.trace, args.child, args.l3_tokens)))
+        return 0
+    if args.memory:
+        runs = memory_bench(args.trace, args.copies, args.l3_tokens, args.modes.split(","))
+        if args.json:
+            args.json.write_text(json.dumps(runs, indent=2))
+        return 0
     runs = [full_replay(args.trace) for _ in range(args.repeat)]
     best = min(runs, key=lambda r: r["wall_s"])
     print(

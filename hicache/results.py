@@ -89,6 +89,130 @@ def summarize(
     }
 
 
+class RunTally:
+    """The summary of records heard one at a time, in any order, equal to `summarize` over
+    all of them: a long replay then keeps a few numbers per request in numpy arrays (about 50
+    bytes) instead of its `RequestRecord`s. Means and float sums depend on the order of their
+    terms, so the values are kept and put in `summarize`'s order (arrival, id) at the end."""
+
+    _CHUNK = 8192
+
+    def __init__(self) -> None:
+        self._rows: list[tuple[float, bytes, bool, bool, float, float, float, float]] = []
+        self._chunks: list[tuple[np.ndarray, ...]] = []
+        self.requests = 0
+        self._totals = dict.fromkeys(
+            ("prompt", "l1", "l2", "l3", "prefill_cached", "fallback", "retractions"), 0
+        )
+
+    def add(self, r: RequestRecord) -> None:
+        self.requests += 1
+        ok = r.outcome == "finished"
+        t = self._totals
+        if ok:
+            t["prompt"] += r.prompt_tokens
+            t["l1"] += r.cached_l1
+            t["l2"] += r.cached_l2
+            t["l3"] += r.cached_l3
+            t["prefill_cached"] += r.prefill_cached_tokens
+        t["fallback"] += r.fallback_tokens
+        t["retractions"] += r.retractions
+        self._rows.append(
+            (
+                r.arrival,
+                r.id.encode(),
+                ok,
+                r.outcome == "failed",
+                r.ttft_s,
+                r.tpot_s,
+                r.e2e_s,
+                r.pd_transfer_bytes,
+            )
+        )
+        if len(self._rows) >= self._CHUNK:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self._rows:
+            return
+        cols = list(zip(*self._rows, strict=True))
+        self._rows = []
+        self._chunks.append(
+            (
+                np.array(cols[0], dtype=np.float64),
+                np.array(cols[1], dtype=np.bytes_),
+                np.array(cols[2], dtype=bool),
+                np.array(cols[3], dtype=bool),
+                *(np.array(c, dtype=np.float64) for c in cols[4:]),
+            )
+        )
+
+    def summary(self, *, events: int, wall_s: float, sim_s: float) -> dict[str, Any]:
+        """What `summarize` returns for the records added so far."""
+        self._flush()
+        if self._chunks:
+            arrival, ids, ok, failed, ttft, tpot, e2e, pd = (
+                np.concatenate(col) for col in zip(*self._chunks, strict=True)
+            )
+            self._chunks = [(arrival, ids, ok, failed, ttft, tpot, e2e, pd)]
+        else:
+            arrival = ttft = tpot = e2e = pd = np.empty(0)
+            ok = failed = np.empty(0, dtype=bool)
+            ids = np.empty(0, dtype=np.bytes_)
+        # UTF-8 bytes sort as their code points do: the order of `(r.arrival, r.id)`.
+        order = np.lexsort((ids, arrival))
+        done = ok[order]
+        t = self._totals
+        l1, l2, l3, prompt = t["l1"], t["l2"], t["l3"], t["prompt"]
+        return {
+            "requests": self.requests,
+            "completed": int(done.sum()),
+            "failed": int(failed.sum()),
+            "ttft_s": _dist(ttft[order][done].tolist()),
+            "tpot_s": _dist(tpot[order][done].tolist()),
+            "e2e_s": _dist(e2e[order][done].tolist()),
+            "prompt_tokens": prompt,
+            "cached_tokens": {"l1": l1, "l2": l2, "l3": l3},
+            "hit_rate": (l1 + l2 + l3) / prompt if prompt else 0.0,
+            "prefill_cached_tokens": t["prefill_cached"],
+            "pd_transfer_bytes": float(sum(pd[order].tolist())),
+            "fallback_tokens": t["fallback"],
+            "retractions": t["retractions"],
+            "events": events,
+            "wall_s": wall_s,
+            "simulated_s": sim_s,
+        }
+
+
+class RequestsCsvStream:
+    """`requests.csv` written a row at a time, as requests complete (so in completion order,
+    where `write_requests_csv` writes them sorted): nothing is held but the file. The file
+    appears under its name only on `close()`."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._tmp = path.with_suffix(".csv.tmp")
+        self._file = self._tmp.open("w", newline="", encoding="utf-8")
+        self._writer = csv.writer(self._file)
+        self._writer.writerow(["run", *FIELDS])
+
+    def write(self, label: str, r: RequestRecord) -> None:
+        self._writer.writerow([label, *(_cell(getattr(r, name)) for name in FIELDS)])
+
+    def close(self) -> None:
+        self._file.close()
+        self._tmp.replace(self.path)
+
+    def __enter__(self) -> RequestsCsvStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if exc[0] is None:
+            self.close()
+        else:
+            self._file.close()
+
+
 def write_requests_csv(path: Path, runs: Iterable[tuple[str, Sequence[RequestRecord]]]) -> None:
     """One row per request and run; the `run` column names the baseline or policy."""
     tmp = path.with_suffix(".csv.tmp")

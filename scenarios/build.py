@@ -10,6 +10,9 @@ they start here and by when each request is sent there.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterator
+from itertools import islice
 from pathlib import Path
 
 import attrs
@@ -18,8 +21,8 @@ from hicache.scenarios import fit
 from hicache.scenarios.generators import AgenticLoop, SharedPrefix
 from hicache.scenarios.multiturn import MultiTurnChat
 from hicache.scenarios.scenario import GENERATORS, Scenario, ScenarioError
-from hicache.scenarios.traces import TraceRequest, read_trace
-from hicache.scenarios.workload import WorkItem, from_chat, from_trace
+from hicache.scenarios.traces import TraceRequest, iter_mooncake, read_trace
+from hicache.scenarios.workload import WorkItem, from_chat, from_trace, iter_from_trace
 
 
 def make_generator(scenario: Scenario) -> MultiTurnChat | AgenticLoop | SharedPrefix:
@@ -123,3 +126,48 @@ def build_workload(scenario: Scenario) -> list[WorkItem]:
             detail = f"no request arrives before {scenario.run.until:g} s: nothing to replay"
             raise ScenarioError(scenario.source or scenario.name, "run.until", detail)
     return assign_tenants(items, scenario.workload.tenants)
+
+
+def why_not_streamed(scenario: Scenario) -> str | None:
+    """Why `stream_workload` cannot replay this scenario, or None when it can: only an open-loop
+    Mooncake trace, untenanted, is read as a stream (the others need the whole workload to sort,
+    close loops or assign tenants)."""
+    workload = scenario.workload
+    if workload.kind != "trace" or Path(workload.path).suffix != ".jsonl":
+        return "only a Mooncake .jsonl trace is streamed"
+    if workload.closed:
+        return "a closed loop needs every session's requests"
+    if workload.tenants > 1:
+        return "tenants are assigned over the whole workload"
+    return None
+
+
+def stream_workload(scenario: Scenario) -> Iterator[WorkItem]:
+    """The items `build_workload` returns, read one at a time from the trace so that memory does
+    not grow with it. The trace must already be in arrival order (a `build_workload` sorts it;
+    a stream cannot), else `ScenarioError` when the first step back is reached."""
+    why = why_not_streamed(scenario)
+    if why is not None:
+        raise ScenarioError(scenario.source or scenario.name, "workload", f"cannot stream: {why}")
+    workload = scenario.workload
+    path = Path(workload.path)
+    if not path.exists():
+        raise ScenarioError(scenario.source, "workload.path", f"no such file or directory: '{path}'")
+    requests = iter_mooncake(path, time_scale=workload.time_scale)
+    if workload.limit:
+        requests = islice(requests, workload.limit)
+    until = scenario.run.until
+    last = -math.inf
+    sent = 0
+    for item in iter_from_trace(requests):
+        if item.arrival < last:
+            detail = f"{path}: request {item.id} arrives before the one ahead of it: not in arrival order"
+            raise ScenarioError(scenario.source or scenario.name, "workload.path", detail)
+        last = item.arrival
+        if until > 0 and item.arrival >= until:
+            break  # in arrival order: none after it is sent either
+        sent += 1
+        yield item
+    if until > 0 and not sent:
+        detail = f"no request arrives before {until:g} s: nothing to replay"
+        raise ScenarioError(scenario.source or scenario.name, "run.until", detail)

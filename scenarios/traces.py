@@ -104,10 +104,15 @@ def _json(text: str, where: str, what: str) -> Any:
 
 def read_mooncake(path: str | Path, *, time_scale: float = 1.0) -> list[TraceRequest]:
     """A Mooncake JSONL trace; arrival times are multiplied by `time_scale`."""
+    return list(iter_mooncake(path, time_scale=time_scale))
+
+
+def iter_mooncake(path: str | Path, *, time_scale: float = 1.0) -> Iterator[TraceRequest]:
+    """A Mooncake JSONL trace, one request at a time, in file order: a replay of a long trace
+    then holds only the requests in flight. A bad line raises `TraceError` when it is reached."""
     path = Path(path)
     if not time_scale > 0:
         raise TraceError(f"time_scale must be > 0, got {time_scale!r}")
-    out: list[TraceRequest] = []
     with path.open("rb") as f:
         for lineno, raw in enumerate(f, 1):
             where = f"{path}:{lineno}"
@@ -121,8 +126,7 @@ def read_mooncake(path: str | Path, *, time_scale: float = 1.0) -> list[TraceReq
             n_in = _int_field(obj, "input_length", where, low=1)
             n_out = _int_field(obj, "output_length", where)
             ids = _block_ids(obj, "hash_ids", where, n_in, MOONCAKE_BLOCK, partial_last=True)
-            out.append(TraceRequest(ts / 1000.0 * time_scale, n_in, n_out, ids, MOONCAKE_BLOCK))
-    return out
+            yield TraceRequest(ts / 1000.0 * time_scale, n_in, n_out, ids, MOONCAKE_BLOCK)
 
 
 def read_azure_csv(path: str | Path, *, time_scale: float = 1.0) -> list[TraceRequest]:

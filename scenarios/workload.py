@@ -9,7 +9,7 @@ that no other request can share.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import attrs
 import numpy as np
@@ -97,24 +97,26 @@ def from_chat(requests: Iterable[ChatRequest], tenant: str | None = None) -> lis
 
 def from_trace(requests: Iterable[TraceRequest], tenant: str | None = None) -> list[WorkItem]:
     """Trace requests in arrival order: ids `r<index>`; turns counted per session."""
+    return list(iter_from_trace(requests, tenant))
+
+
+def iter_from_trace(requests: Iterable[TraceRequest], tenant: str | None = None) -> Iterator[WorkItem]:
+    """`from_trace` one item at a time, so that a streamed trace is never held whole (the turn
+    counter keeps one entry per session, none for a trace without sessions)."""
     turns: dict[str, int] = {}
-    out = []
     for i, r in enumerate(requests):
         session = r.session or ""
         turn = turns.get(session, 0) if session else 0
         if session:
             turns[session] = turn + 1
-        out.append(
-            WorkItem(
-                f"r{i}",
-                r.arrival,
-                r.input_length,
-                r.output_length,
-                session=session,
-                turn=turn,
-                tenant=tenant,
-                blocks=r.block_ids,
-                block_size=r.block_size or 0,
-            )
+        yield WorkItem(
+            f"r{i}",
+            r.arrival,
+            r.input_length,
+            r.output_length,
+            session=session,
+            turn=turn,
+            tenant=tenant,
+            blocks=r.block_ids,
+            block_size=r.block_size or 0,
         )
-    return out

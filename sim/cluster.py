@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 import attrs
 import numpy as np
@@ -14,7 +14,7 @@ import numpy as np
 from hicache.core import commands as cmd
 from hicache.core.config import DecodeConfig
 from hicache.faults import FaultSpec
-from hicache.results import RequestRecord, summarize
+from hicache.results import RequestRecord, RunTally, summarize
 from hicache.scenarios.workload import WorkItem
 from hicache.sim.channel import Channel
 from hicache.sim.costs import NodeCosts
@@ -106,16 +106,20 @@ class Cluster:
         self._sequential = False
         self._keys: Mapping[str, np.ndarray] | None = None
         self.sessions: ClosedLoop | None = None
+        self._on_record: Callable[[RequestRecord], None] | None = None
+        self._tally: RunTally | None = None
+        self._streamed = False
 
     def run(
         self,
-        items: Sequence[WorkItem],
+        items: Iterable[WorkItem],
         progress: Callable[[int], None] | None = None,
         *,
         sequential: bool = False,
         keys: Mapping[str, np.ndarray] | None = None,
         clients: int = 0,
         until: float = 0.0,
+        on_record: Callable[[RequestRecord], None] | None = None,
     ) -> RunResult:
         """Replay `items` (sorted by arrival) to the end; `progress(n)` hears of n more answers.
         `sequential`: each request arrives only once the one before has ended and every node is
@@ -125,12 +129,24 @@ class Cluster:
         times (otherwise computed at arrival).
         Closed-loop requests (`WorkItem.think` set) are sent when the one before them in their
         session is answered, `think` seconds later; `clients` caps the sessions open at once and
-        nothing is sent at or after `until` (see `hicache.sim.sessions`)."""
+        nothing is sent at or after `until` (see `hicache.sim.sessions`).
+        `on_record`: hears each request's record when it ends, and the run keeps none (its
+        `records` come back empty; the summary is the same): with `items` an iterator, memory
+        then holds only what is in flight and the caches, whatever the workload's length. An
+        iterator of items is replayed open-loop."""
         self._progress = progress
         self._keys = keys
+        self._on_record = on_record
+        self._tally = RunTally() if on_record is not None else None
         page = self.setup.decode.page_size
         model = self.setup.model_name
-        closed = not sequential and (clients > 0 or any(i.think is not None for i in items))
+        self._streamed = not isinstance(items, Sequence)
+        if self._streamed:
+            if clients > 0:
+                raise ValueError("a closed loop (clients > 0) needs its items as a sequence")
+            closed = False
+        else:
+            closed = not sequential and (clients > 0 or any(i.think is not None for i in items))
         if closed:
             self.sessions = ClosedLoop(items, clients, until)
             items = self.sessions.firsts
@@ -148,7 +164,10 @@ class Cluster:
                 raise RuntimeError(f"decode node {d.index} did not come to rest: {len(d.live)} requests live")
         self.records.sort(key=lambda r: (r.arrival, r.id))
         events = self.loop.events_run
-        summary = summarize(self.records, events=events, wall_s=wall, sim_s=self.loop.now)
+        if self._tally is not None:
+            summary = self._tally.summary(events=events, wall_s=wall, sim_s=self.loop.now)
+        else:
+            summary = summarize(self.records, events=events, wall_s=wall, sim_s=self.loop.now)
         summary["core_events"] = sum(d.core_events for d in self.decode)
         if self.setup.faults is not None:
             injected: Counter[str] = Counter()
@@ -200,6 +219,10 @@ class Cluster:
             self.loop.call_after(delay, self._due, item)
 
     def _send(self, item: WorkItem, page: int, model: str) -> None:
+        if item.think is not None and self._streamed and not self._sequential:
+            raise ValueError(
+                f"request {item.id} is closed-loop (think set), but the items came as an iterator"
+            )
         keys = self._keys[item.id] if self._keys is not None else item.sequence_keys(page, model)
         seq = keys.tolist()
         prompt = seq[: item.prompt_len // page]
@@ -235,32 +258,36 @@ class Cluster:
             if ok and live.output_len > 1
             else math.nan
         )
-        self.records.append(
-            RequestRecord(
-                id=live.rid,
-                session=item.session,
-                turn=item.turn,
-                arrival=live.arrival,
-                prefill_node=p,
-                decode_node=d,
-                prompt_tokens=item.prompt_len,
-                output_tokens=live.output_len,
-                outcome=c.outcome,
-                reason=c.reason,
-                ttft_s=ttft,
-                tpot_s=tpot,
-                e2e_s=live.finished - live.arrival,
-                cached_l1=a.l1,
-                cached_l2=a.l2,
-                cached_l3=a.l3,
-                transferred_tokens=a.transferred,
-                promised_tokens=max(0, live.promised_tokens),
-                fallback_tokens=a.fallback,
-                prefill_cached_tokens=live.prefill_cached,
-                pd_transfer_bytes=live.pd_bytes,
-                retractions=a.retractions,
-            )
+        record = RequestRecord(
+            id=live.rid,
+            session=item.session,
+            turn=item.turn,
+            arrival=live.arrival,
+            prefill_node=p,
+            decode_node=d,
+            prompt_tokens=item.prompt_len,
+            output_tokens=live.output_len,
+            outcome=c.outcome,
+            reason=c.reason,
+            ttft_s=ttft,
+            tpot_s=tpot,
+            e2e_s=live.finished - live.arrival,
+            cached_l1=a.l1,
+            cached_l2=a.l2,
+            cached_l3=a.l3,
+            transferred_tokens=a.transferred,
+            promised_tokens=max(0, live.promised_tokens),
+            fallback_tokens=a.fallback,
+            prefill_cached_tokens=live.prefill_cached,
+            pd_transfer_bytes=live.pd_bytes,
+            retractions=a.retractions,
         )
+        if self._tally is not None:
+            assert self._on_record is not None
+            self._tally.add(record)
+            self._on_record(record)
+        else:
+            self.records.append(record)
         if self._progress is not None:
             self._progress(1)
         if self.sessions is not None:

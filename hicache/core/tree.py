@@ -482,7 +482,12 @@ class TieredRadixTree:
         parent = node.parent
         assert parent is not None and not node.children
         del parent.children[node.keys[0]]
-        node.parent = None
+        if node.host_ref:
+            # A pin on a node cut out below it (`_cut_out`) still walks up through it to the
+            # root when it lets go: like that node, it keeps its parent link, detached.
+            node.detached = True
+        else:
+            node.parent = None
         self.num_nodes -= 1
         if parent is not self.root:
             self._queue_l1(parent)
