@@ -551,13 +551,11 @@ def _parse_model(doc: Mapping[str, Any], source: str) -> ModelSpec:
     return model
 
 
-def _resolve_path(value: str, source: str, field: str = "workload.path") -> str:
+def _resolve_path(value: str, source: str) -> str:
     try:
         path = Path(value).expanduser()
-    except RuntimeError:  # "~name" of a user this machine does not have
-        raise ScenarioError(
-            source, field, f"cannot expand {value[:80]!r}: no such user's home directory"
-        ) from None
+    except RuntimeError:  # "~name" of a user this machine does not have: literal, as in a shell
+        path = Path(value)
     if not path.is_absolute():
         path = Path(source).parent / path
     return os.path.normpath(path.absolute())
