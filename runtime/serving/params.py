@@ -23,6 +23,7 @@ MAX_STOP_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 256
 MAX_ID_CHARS = 128
 _INT64 = (-(2**63), 2**64 - 1)
+DRAIN_BYTES = 1 << 20  # of a body sent without Content-Length, read past the limit and dropped
 
 
 def _no_constants(name: str) -> Any:
@@ -39,11 +40,14 @@ async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
         async with contextlib.aclosing(request.stream()) as stream:
             async for chunk in stream:
                 size += len(chunk)
-                if size > max_bytes:
-                    raise ApiError(
-                        413, f"the body is over the limit of {max_bytes} bytes", code="body_too_large"
-                    )
-                chunks.append(chunk)
+                if size > max_bytes + DRAIN_BYTES:
+                    break  # a client that keeps sending this much more gets no reading
+                if size <= max_bytes:
+                    chunks.append(chunk)
+        if size > max_bytes:
+            # The rest was read (up to DRAIN_BYTES) and dropped: a client still sending when
+            # the server answers would meet a closed connection instead of the 413.
+            raise ApiError(413, f"the body is over the limit of {max_bytes} bytes", code="body_too_large")
     except ClientDisconnect:
         raise bad_request("the client went away before sending the whole body") from None
     try:
