@@ -29,20 +29,12 @@ from pathlib import Path
 
 import httpx2 as httpx
 from prometheus_client.parser import text_string_to_metric_families
+from serve_clients import client_venv, hicache_serve
 
 ROOT = Path(__file__).resolve().parent.parent
 TRACE = ROOT.parent / "shared" / "traces" / "conversation_trace.jsonl"
-VENV = ROOT / "bench" / ".venvs" / "aiperf"
 AIPERF = "aiperf==0.13.0"
 REPO = "hicache/SmolLM2-135M-Instruct"
-
-
-def aiperf() -> Path:
-    exe = VENV / "bin" / "aiperf"
-    if not exe.exists():
-        subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
-        subprocess.run([str(VENV / "bin" / "pip"), "install", "-q", AIPERF], check=True)
-    return exe
 
 
 def tokenizer_cache(home: Path) -> None:
@@ -105,20 +97,12 @@ def main() -> None:
     ap.add_argument("--speedup", type=float, default=20.0, help="trace time / replay time")
     ap.add_argument("--artifacts", type=Path, default=ROOT / "out" / "aiperf")
     args = ap.parse_args()
-    exe = aiperf()
+    exe = client_venv("aiperf", AIPERF, "aiperf")
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         tokenizer_cache(work / "hf")
         ideal = trace_slice(work / "slice.jsonl", args.lines, args.block_size, args.max_output, args.speedup)
-        serve = subprocess.Popen(
-            [sys.executable, "-m", "hicache", "serve", "--storage-dir", str(work / "l3")],
-            stdout=subprocess.PIPE,
-            stderr=(work / "serve.log").open("w"),
-            text=True,
-        )
-        try:
-            assert serve.stdout is not None
-            ready = json.loads(serve.stdout.readline())
+        with hicache_serve(["--storage-dir", str(work / "l3")], work / "serve.log") as ready:
             url, model = ready["url"], ready["model"]
             env = {**os.environ, "HF_HOME": str(work / "hf"), "HF_HUB_OFFLINE": "1"}
             cmd = [str(exe), "profile", "--model", model, "--url", url, "--endpoint-type", "chat"]
@@ -134,9 +118,6 @@ def main() -> None:
                 print(done.stderr[-4000:], file=sys.stderr)
                 raise SystemExit(f"aiperf exited {done.returncode}")
             ours = metrics(url)
-        finally:
-            serve.terminate()
-            serve.wait(30)
     print(f"slice: {ideal}")
     for key in sorted(ours):
         if any(k in key for k in ("requests_total", "prompt_tokens", "cached_tokens", "generation_tokens")):

@@ -12,14 +12,15 @@ Starts `hicache serve` on the default model unless `--url` names a running one.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
+from serve_clients import client_venv, hicache_serve
+
 ROOT = Path(__file__).resolve().parent.parent
-VENV = ROOT / "bench" / ".venvs" / "openai"
 OPENAI = "openai==3.57.0"
 
 CLIENT = r"""
@@ -64,38 +65,17 @@ print(json.dumps(out))
 """
 
 
-def client_python() -> Path:
-    python = VENV / "bin" / "python"
-    if not python.exists():
-        subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
-        subprocess.run([str(VENV / "bin" / "pip"), "install", "-q", OPENAI], check=True)
-    return python
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--url", default=None, help="a running front door (default: start one)")
     args = ap.parse_args()
-    python = client_python()
-    with tempfile.TemporaryDirectory() as tmp:
-        serve = None
+    python = client_venv("openai", OPENAI, "python")
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         url, model = args.url, "SmolLM2-135M-Instruct"
         if url is None:
-            serve = subprocess.Popen(
-                [sys.executable, "-m", "hicache", "serve"],
-                stdout=subprocess.PIPE,
-                stderr=(Path(tmp) / "serve.log").open("w"),
-                text=True,
-            )
-            assert serve.stdout is not None
-            ready = json.loads(serve.stdout.readline())
+            ready = stack.enter_context(hicache_serve([], Path(tmp) / "serve.log"))
             url, model = ready["url"], ready["model"]
-        try:
-            done = subprocess.run([str(python), "-c", CLIENT, url, model], capture_output=True, text=True)
-        finally:
-            if serve is not None:
-                serve.terminate()
-                serve.wait(30)
+        done = subprocess.run([str(python), "-c", CLIENT, url, model], capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"the openai client failed:\n{done.stderr[-3000:]}")
     print(json.dumps(json.loads(done.stdout), indent=1))

@@ -17,14 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx2 as httpx
+from serve_clients import hicache_serve
 
 SYSTEM = (
     "You are a patient travel guide. You answer questions about European cities with two or three "
@@ -39,16 +38,6 @@ QUESTIONS = [
     "What is a good day trip from there?",
 ]
 CITIES = ["Paris", "Rome", "Madrid", "Vienna", "Prague", "Lisbon", "Berlin", "Oslo", "Athens", "Dublin"]
-
-
-def start(extra: list[str], tmp: Path) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "hicache", "serve", "--log-dir", str(tmp / "logs"), *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=(tmp / "serve.log").open("w"), text=True)
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if not line:
-        raise SystemExit(f"hicache serve did not start: {(tmp / 'serve.log').read_text()[-2000:]}")
-    return proc, json.loads(line)["url"]
 
 
 def turn(url: str, text: str, max_new: int) -> tuple[float, str, dict[str, Any]]:
@@ -101,13 +90,10 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             if name == "cache":
                 extra = [*extra, "--storage-dir", str(Path(tmp) / "l3")]
-            proc, url = start(extra, Path(tmp))
-            try:
-                turn(url, "Hello", 2)  # warm up: the first request pays for lazy set-up
-                results[name] = play(url, args.conversations, args.turns, args.max_new)
-            finally:
-                proc.terminate()
-                proc.wait(30)
+            args_ = [*extra, "--log-dir", str(Path(tmp) / "logs")]
+            with hicache_serve(args_, Path(tmp) / "serve.log") as ready:
+                turn(ready["url"], "Hello", 2)  # warm up: the first request pays for lazy set-up
+                results[name] = play(ready["url"], args.conversations, args.turns, args.max_new)
     print(
         f"{'turn':>4} {'prompt':>7} {'TTFT cache':>11} {'TTFT off':>9} {'ratio':>6}"
         f" {'L1':>6} {'L2':>6} {'L3':>6} {'hit':>6}"

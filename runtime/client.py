@@ -85,43 +85,54 @@ class DecodeClient:
         reply, binary = await self._receive(what)  # a NodeGone: the next call reconnects first
         return None if reply["op"] == "goodbye" else (reply, binary)
 
+    @property
+    def usable(self) -> bool:
+        """Whether the next request can go out on this connection without opening another."""
+        return not self._gone
+
+    async def _first_reply(self, frame: bytes, what: str) -> tuple[dict[str, Any], bytes]:
+        """Send `frame` and return the node's first answer to it (call under `self.lock`); a
+        node that provably did not read it gets it once more, on a new connection."""
+        got = None if self._gone else await self._exchange(frame, what)
+        if got is None:
+            try:
+                await self._reconnect()
+            except OSError as exc:
+                raise NodeGone(
+                    f"decode node at {self.where} is gone: it closed the connection and refuses "
+                    f"new ones ({exc.strerror or exc}); {what} was not sent"
+                ) from None
+            got = await self._exchange(frame, what)
+        if got is None:
+            raise protocol.ProtocolError(
+                f"decode node at {self.where}: closed the connection twice before {what} was read"
+            )
+        return got
+
+    def _refused(self, reply: dict[str, Any]) -> None:
+        if reply["op"] == "error":
+            raise protocol.ProtocolError(f"decode node at {self.where}: {reply.get('reason')}")
+
     async def call(self, msg: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
         frame = protocol.encode(msg)
         rid = msg.get("rid")
         what = f"request {rid!r}" if isinstance(rid, str) else f"{msg.get('op')!r}"
         async with self.lock:
-            got = None if self._gone else await self._exchange(frame, what)
-            if got is None:
-                try:
-                    await self._reconnect()
-                except OSError as exc:
-                    raise NodeGone(
-                        f"decode node at {self.where} is gone: it closed the connection and refuses "
-                        f"new ones ({exc.strerror or exc}); {what} was not sent"
-                    ) from None
-                got = await self._exchange(frame, what)
-            if got is None:
-                raise protocol.ProtocolError(
-                    f"decode node at {self.where}: closed the connection twice before {what} was read"
-                )
-        reply, binary = got
-        if reply["op"] == "error":
-            raise protocol.ProtocolError(f"decode node at {self.where}: {reply.get('reason')}")
+            reply, binary = await self._first_reply(frame, what)
+        self._refused(reply)
         return reply, binary
+
+    @staticmethod
+    def _generate_msg(rid: str, tokens: list[int], max_new: int, tenant: str | None, **extra: Any) -> dict:
+        msg: dict[str, Any] = {"op": "generate", "rid": rid, "tokens": tokens, "max_new": max_new, **extra}
+        if tenant is not None:
+            msg["tenant"] = tenant
+        return msg
 
     async def generate(
         self, rid: str, tokens: list[int], max_new: int, *, verify: bool = False, tenant: str | None = None
     ) -> tuple[dict[str, Any], np.ndarray | None]:
-        msg: dict[str, Any] = {
-            "op": "generate",
-            "rid": rid,
-            "tokens": tokens,
-            "max_new": max_new,
-            "verify": verify,
-        }
-        if tenant is not None:
-            msg["tenant"] = tenant
-        reply, binary = await self.call(msg)
+        reply, binary = await self.call(self._generate_msg(rid, tokens, max_new, tenant, verify=verify))
         kv = np.frombuffer(binary, dtype=np.float64) if binary else None
         return reply, kv
 
@@ -137,30 +148,22 @@ class DecodeClient:
         """A generation whose tokens come as they are made: yields each `tokens` frame, then the
         `result`. Leaving the iteration early (or being cancelled) aborts the request at the
         node and closes this connection (its reply would arrive out of turn)."""
-        msg: dict[str, Any] = {"op": "generate", "rid": rid, "tokens": tokens, "max_new": max_new}
-        msg["stream"] = True
+        extra: dict[str, Any] = {"stream": True}
         if sampling is not None:
-            msg["sampling"] = sampling
-        if tenant is not None:
-            msg["tenant"] = tenant
+            extra["sampling"] = sampling
+        frame = protocol.encode(self._generate_msg(rid, tokens, max_new, tenant, **extra))
+        what = f"request {rid!r}"
         async with self.lock:
             done = False
             try:
-                await self._send_fresh(protocol.encode(msg))
-                first = True
+                reply, _ = await self._first_reply(frame, what)
                 while True:
-                    reply, _ = await self._receive(f"request {rid!r}")
-                    if first and reply["op"] == "goodbye":  # closed idle before reading it: again
-                        await self._reconnect()
-                        await self.stream.send_all(protocol.encode(msg))
-                        continue
-                    first = False
-                    if reply["op"] == "error":
-                        raise protocol.ProtocolError(f"decode node at {self.where}: {reply.get('reason')}")
+                    self._refused(reply)
                     done = reply["op"] == "result"
                     yield reply
                     if done:
                         return
+                    reply, _ = await self._receive(what)
             finally:
                 if not done:
                     with (
@@ -172,16 +175,6 @@ class DecodeClient:
                     self._gone = True  # its result may still come: this connection is done
                     with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
                         await self.stream.aclose()
-
-    async def _send_fresh(self, frame: bytes) -> None:
-        """Send a request, on a new connection if this one is known or found to be closed."""
-        if self._gone:
-            await self._reconnect()
-        try:
-            await self.stream.send_all(frame)
-        except trio.BrokenResourceError:
-            await self._reconnect()
-            await self.stream.send_all(frame)
 
     async def _receive(self, what: str) -> tuple[dict[str, Any], bytes]:
         try:

@@ -86,16 +86,11 @@ def seed_for(rid: str) -> int:
 
 
 def draw(logits: torch.Tensor, sampling: Sequence[dict[str, Any]], positions: Sequence[int]) -> list[int]:
-    """The next token of each row of `logits` (B, vocab) under its request's checked sampling
+    """The next token of each row of `logits` (B, vocab) under its request's `check_sampling`
     dict (`runtime/llm/sampling.py`: the same token whatever batch the request is in, and
-    whichever node draws it)."""
+    whichever node draws it). A dict without a seed draws from seed 0."""
     params = [
-        SamplingParams(
-            temperature=p.get("temperature", 0.0),
-            top_p=p.get("top_p", 1.0),
-            top_k=p.get("top_k", 0),
-            seed=p.get("seed"),
-        )
+        SamplingParams(temperature=p["temperature"], top_p=p["top_p"], top_k=p["top_k"], seed=p["seed"] or 0)
         for p in sampling
     ]
-    return sample(logits, params, positions, request_keys=[p.get("seed") or 0 for p in sampling])
+    return sample(logits, params, positions)

@@ -83,7 +83,7 @@ class NodeBackend:
             log.warning("request %s failed at the decode node: %s", req.rid, exc)
             yield Finished("error", str(exc), prompt_tokens=len(req.input_ids))
         finally:
-            if ended and not client._gone:
+            if ended and client.usable:
                 self._give_back(client)
 
     async def flush(self) -> None:
