@@ -133,6 +133,7 @@ class _Live:
     stop_ids: frozenset[int] = frozenset()  # a generated token among these ends the request
     finish_reason: str = ""  # "stop" (a stop token) or "length" (max_new), once Finished
     changed: trio.Event = attrs.Factory(trio.Event)  # set (and replaced) when tokens are added
+    prefill_cached: dict[str, int] | None = None  # prompt tokens prefill had cached, by tier
 
     @property
     def tokens(self) -> list[int]:
@@ -402,6 +403,11 @@ class DecodeService:
             )
         if op in ("evict", "idle", "stats", "audit") and not who.admin:
             raise protocol.MessageError(f"message {op!r}: needs an admin API key")
+        if op == "peek":  # how much of a prompt this node holds: a cache-aware router asks
+            tokens = protocol.int_list(msg, "tokens", high=self.model.config.vocab)
+            seed = namespace_seed(self.model_name, self._tenant(msg, who))
+            keys = page_keys(np.asarray(tokens, dtype=np.int64), self.cfg.page_size, seed).tolist()
+            return {"op": "peek", "pages": self.core.cached_pages(keys), "page_size": self.cfg.page_size}, b""
         if op == "evict":
             l1 = protocol.int_field(msg, "l1") if "l1" in msg else 1 << 40
             l2 = protocol.int_field(msg, "l2") if "l2" in msg else 0
@@ -415,6 +421,22 @@ class DecodeService:
             return {"op": "stats", **attrs.asdict(self.core.stats), **self.gauges()}, b""
         if op == "audit":
             return {"op": "audit", **self.audit()}, b""
+        if op == "config":  # what this node runs with: a front door records it with a trace
+            if not who.admin:
+                raise protocol.MessageError("message 'config': needs an admin API key")
+            store = getattr(self.store, "inner", self.store)  # the real store under injected faults
+            capacity = getattr(store, "capacity_bytes", None)
+            return {
+                "op": "config",
+                "model": self.model_name,
+                "config": {k: getattr(v, "value", v) for k, v in attrs.asdict(self.cfg).items()},
+                "layout": {**attrs.asdict(self.layout), "page_bytes": self.layout.page_bytes},
+                "storage": {
+                    "kind": type(store).__name__ if self.cfg.storage else None,
+                    "capacity_bytes": capacity or None,
+                    "capacity_pages": getattr(store, "capacity_pages", None) or None,
+                },
+            }, b""
         return {"op": "error", "reason": f"unknown op {protocol.show(op)}"}, b""
 
     def gauges(self) -> dict[str, int]:
@@ -447,6 +469,25 @@ class DecodeService:
             out["faults_caught"] = dict(sorted(self.faults.caught.items()))
         return out
 
+    def _tenant(self, msg: dict[str, Any], who: Principal) -> str | None:
+        """Whose namespace a message acts in: its API key's; an admin key (a front door) may name
+        the tenant it acts for; only a node without keys lets any client name it."""
+        op = msg["op"]
+        tenant = protocol.text(msg, "tenant") if msg.get("tenant") is not None else None
+        if tenant is not None and len(tenant) > MAX_TENANT_CHARS:
+            raise protocol.MessageError(
+                f"message {op!r}: field 'tenant' is over {MAX_TENANT_CHARS} characters"
+            )
+        if self.api_keys is not None and not who.admin:
+            if tenant is not None and tenant != who.tenant:
+                raise protocol.MessageError(
+                    f"message {op!r}: field 'tenant' differs from the tenant of this connection's API key"
+                )
+            tenant = who.tenant
+        elif self.api_keys is not None and tenant is None:
+            tenant = who.tenant
+        return tenant
+
     async def _generate(
         self,
         msg: dict[str, Any],
@@ -472,19 +513,7 @@ class DecodeService:
                 f"message 'generate': {len(prompt)} prompt tokens + max_new {max_new} is over this "
                 f"node's limit of {cap} tokens per request (--max-tokens)"
             )
-        tenant = protocol.text(msg, "tenant") if msg.get("tenant") is not None else None
-        if tenant is not None and len(tenant) > MAX_TENANT_CHARS:
-            raise protocol.MessageError(
-                f"message 'generate': field 'tenant' is over {MAX_TENANT_CHARS} characters"
-            )
-        if self.api_keys is not None and not who.admin:  # an admin (a front door) acts for tenants
-            if tenant is not None and tenant != who.tenant:
-                raise protocol.MessageError(
-                    "message 'generate': field 'tenant' differs from the tenant of this connection's API key"
-                )
-            tenant = who.tenant
-        elif self.api_keys is not None and tenant is None:
-            tenant = who.tenant
+        tenant = self._tenant(msg, who)
         verify = protocol.field(msg, "verify", bool) if msg.get("verify") is not None else False
         streaming = protocol.field(msg, "stream", bool) if msg.get("stream") is not None else False
         sampling = check_sampling(msg.get("sampling"), self.model.config.vocab)
@@ -529,6 +558,7 @@ class DecodeService:
             "account": live.account,
             "start_pages": live.start_pages,
             "final_pages": live.final_pages,
+            "prefill_cached": live.prefill_cached or {},
         }
         return reply, live.start_kv
 
@@ -781,6 +811,8 @@ class DecodeService:
             self._feed(ev.KVFailed(self._now(), c.req, c.transfer, reason))
             return
         self.moved["transfer_bytes"] += len(dst) * self.layout.page_bytes
+        if live.prefill_cached is None:  # the request's first prefill, not a fallback's
+            live.prefill_cached = _cached_tokens(reply.get("cached"))
         for j, digest in enumerate(reply["digests"]):
             live.received[c.start // page + j] = digest
         if not live.gen:
@@ -1064,3 +1096,14 @@ class DecodeService:
         live.running = False
         live.slots = []
         live.answer.set()
+
+
+def _cached_tokens(value: object) -> dict[str, int]:
+    """A `kv` reply's `cached` field (tokens per prefill tier) as far as it makes sense."""
+    if not isinstance(value, dict):
+        return {}
+    return {
+        k: v
+        for k, v in value.items()
+        if k in ("l1", "l2", "l3") and isinstance(v, int) and not isinstance(v, bool) and v >= 0
+    }
