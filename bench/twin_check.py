@@ -123,6 +123,15 @@ def check(out: Path, a: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def agree(real: float, twin_change: float, flat: float = 0.005) -> str:
+    """Whether two changes go the same way; within `flat` of zero a change is none."""
+
+    def sign(x: float) -> int:
+        return 0 if abs(x) < flat else (1 if x > 0 else -1)
+
+    return "yes" if sign(real) == sign(twin_change) else "no"
+
+
 def table(res: dict[str, Any]) -> str:
     cal: twin.TwinResult = res["calibrated"]
     raw: twin.TwinResult = res["uncalibrated"]
@@ -140,8 +149,7 @@ def table(res: dict[str, Any]) -> str:
         else:
             real_change, twin_change = (r2 - m) / m, (w - p) / p
             shown = f"{real_change:+9.1%}{twin_change:+13.1%}"
-        same = (real_change > 0) == (twin_change > 0) or abs(real_change) < 1e-9 and abs(twin_change) < 1e-9
-        lines.append(f"{key:<14}{m:>10.4f}{r2:>11.4f}{shown}{'yes' if same else 'no':>7}")
+        lines.append(f"{key:<14}{m:>10.4f}{r2:>11.4f}{shown}{agree(real_change, twin_change):>7}")
     lines.append(f"(wall: {res['wall_s'][0]:.0f} s and {res['wall_s'][1]:.0f} s of serving)")
     return "\n".join(lines)
 

@@ -185,7 +185,10 @@ def _add_sim_twin(sim: argparse._SubParsersAction) -> None:
 
 def run_twin(args: argparse.Namespace) -> int:
     from hicache.sim import twin
+    from hicache.sim.runner import check_out
 
+    if args.out is not None:
+        check_out(args.out)  # before replaying: a bad --out costs nothing
     result = twin.twin(args.trace, args.overrides, calibrate=not args.no_calibrate)
     print(twin.report(result))
     if args.out is not None:

@@ -185,7 +185,11 @@ def _run(
     run = _Run()
 
     async def replay(prefill: NodeProcess, decode: NodeProcess) -> None:
-        bar = tqdm(total=len(items), desc="runtime", unit="req", disable=not progress)
+        # Every finished request shows (requests take long enough): tqdm's adaptive skipping
+        # would hide a count for as long as the next request takes.
+        bar = tqdm(
+            total=len(items), desc="runtime", unit="req", disable=not progress, miniters=1, mininterval=0
+        )
         try:
             run.replayer = Replayer(
                 "127.0.0.1",

@@ -1,6 +1,6 @@
 """Compact exact sets of 64-bit page keys for the shared L3, which may hold every page a trace
 of millions of requests ever wrote: a dict of Python ints costs about 100 bytes a key, these
-cost 11-21 (`KeySet`) or about 30 with recency (`LruKeySet`).
+cost 11-21 (`KeySet`) or 21-43 with recency (`LruKeySet`).
 
 Both are open-addressing hash tables with linear probing over numpy arrays, run by numba
 kernels. Keys are any value in [0, 2**64); a home slot is a bijective mix of the key (the

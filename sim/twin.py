@@ -111,6 +111,7 @@ CACHE_POLICY_KEYS = (
 PREFILL_CACHE_BYTES = 512 << 20
 HBM_BYTES = 80e9
 FAST = 1e15  # bytes/s of a link whose cost is folded into another term
+OVERLAP_SLACK_S = 0.02  # the rounding of a recorded end: TTFT + mean TPOT x (output - 1)
 NO_LIMIT = 1 << 20  # max_running when the node runs without a limit (its config says 0)
 
 
@@ -152,6 +153,17 @@ class Recording:
     header: dict[str, Any]
     block_size: int
     requests: tuple[Recorded, ...]  # in arrival order
+
+    @property
+    def one_at_a_time(self) -> bool:
+        """No two requests were in flight at once: each arrived after the one before had been
+        answered (within `OVERLAP_SLACK_S`, the measured end being TTFT + TPOT x (output - 1))."""
+        end = -math.inf
+        for r in self.requests:
+            if r.e2e_s is None or r.arrival < end - OVERLAP_SLACK_S:
+                return False
+            end = r.arrival + r.e2e_s
+        return True
 
 
 # ------------------------------------------------------------------------------ reading
@@ -407,8 +419,10 @@ def samples(rec: Recording) -> list[Sample]:
 
 
 def _decode_value(facts: NodeFacts, key: str) -> Any:
-    default = getattr(DecodeConfig(l1_pages=1, l2_pages=0), key)
-    return getattr(facts.decode.get(key, default), "value", facts.decode.get(key, default))
+    """The node's value of a policy (the core's default where the header leaves it out), as the
+    scenario writes it (an enum's value)."""
+    value = facts.decode.get(key, getattr(DecodeConfig(l1_pages=1, l2_pages=0), key))
+    return getattr(value, "value", value)
 
 
 def scenario_doc(rec: Recording, facts: NodeFacts, cal: Calibration) -> dict[str, Any]:
@@ -481,7 +495,7 @@ def scenario_doc(rec: Recording, facts: NodeFacts, cal: Calibration) -> dict[str
             "gpus_per_node": 1,
             "efficiency": 1.0,
             "flops": flops,
-            "hbm_bandwidth": hbm / 1.0,
+            "hbm_bandwidth": hbm,
             "mem_fraction": min(1.0, PREFILL_CACHE_BYTES / HBM_BYTES),
             "host_bandwidth": host,
             "network_bandwidth": FAST,
@@ -556,11 +570,22 @@ def _inherit_output(prior: np.ndarray, a: WorkItem, after: np.ndarray, b: WorkIt
     prior[n_a:upto] = after[n_a:upto]
 
 
+def one_client(rec: Recording, sc: Scenario) -> bool:
+    """Replay one request at a time: a closed loop of a recording whose client sent one request
+    at a time. Otherwise a replayed turn that runs longer than it did on the node would overlap
+    the next one, which on the node it never did, and their pages would compete for L1."""
+    return sc.workload.closed and sc.workload.clients == 0 and rec.one_at_a_time
+
+
 def replay(rec: Recording, sc: Scenario) -> dict[str, RequestRecord]:
     """The simulator's record of every request of `rec` under scenario `sc`, by id."""
     (setup,) = setups(sc).values()
     items, keys = work_items(rec, setup.decode.page_size, setup.model_name, closed=sc.workload.closed)
-    result = Cluster(setup).run(items, keys=keys, clients=sc.workload.clients, until=sc.run.until)
+    cluster = Cluster(setup)
+    if one_client(rec, sc):
+        result = cluster.run(items, keys=keys, sequential=True)
+    else:
+        result = cluster.run(items, keys=keys, clients=sc.workload.clients, until=sc.run.until)
     return {r.id: r for r in result.records}
 
 
@@ -669,6 +694,7 @@ class TwinResult:
     errors: dict[str, float | None]
     records: dict[str, RequestRecord]
     tiers_equal: int
+    sequential: bool = False  # replayed one request at a time (`one_client`)
     overrides: tuple[str, ...] = ()
     what_if: dict[str, Any] | None = None
     what_if_baseline: str | None = None
@@ -693,6 +719,7 @@ def twin(
         cal = header_costs(facts)
     base_sc = scenario(rec, facts, cal, common)
     base = replay(rec, base_sc)
+    sequential = one_client(rec, base_sc)
     measured = overall(rec, None)
     predicted = overall(rec, base)
     out = TwinResult(
@@ -704,6 +731,7 @@ def twin(
         errors=errors(measured, predicted),
         records=base,
         tiers_equal=tiers_equal(rec, base),
+        sequential=sequential,
     )
     if not overrides:
         return out
@@ -732,7 +760,8 @@ def report(res: TwinResult) -> str:
     n = len(res.recording.requests)
     lines = [
         f"recording        {res.recording.path} ({n} requests, blocks of {res.recording.block_size} tokens)",
-        f"replayed as      {res.baseline}",
+        f"replayed as      {res.baseline}"
+        + (", one request at a time (as the recorded client sent them)" if res.sequential else ""),
         f"calibration      ({c.source}) prefill {c.prefill_tokens_per_s:,.0f} tok/s, attention "
         f"{c.prefill_attention_s:.3g} s/pair, first-token overhead {c.first_token_overhead_s * 1e3:.2f} ms, "
         f"decode step {c.decode_step_s * 1e3:.2f} ms"
@@ -780,7 +809,43 @@ def report(res: TwinResult) -> str:
             f"(what-if: {' '.join(res.overrides)}, replayed as {res.what_if_baseline}; change is against the "
             "predicted baseline, whose error above bounds how far to trust it)"
         )
-    return "\n".join(lines)
+    return "\n".join([*lines, "", *per_request(res)])
+
+
+PER_REQUEST_ROWS = 40  # printed in full up to this many requests; beyond, only those that differ
+
+
+def per_request(res: TwinResult) -> list[str]:
+    """Measured against predicted, request by request (all of a short recording, else the
+    requests whose tiers differ, up to `PER_REQUEST_ROWS`)."""
+    rows = list(request_rows(res.recording, res.records, None))
+    short = len(rows) <= PER_REQUEST_ROWS
+
+    def tiers(row: dict[str, Any], who: str) -> tuple[Any, ...]:
+        return tuple(row[f"{who}_{t}"] for t in TIERS)
+
+    shown = [r for r in rows if short or tiers(r, "measured") != tiers(r, "predicted")]
+    if not shown:
+        return ["every request's L1/L2/L3 tokens as measured (per request: requests.csv with --out)"]
+    what = "per request" if short else f"requests whose tiers differ (first {PER_REQUEST_ROWS})"
+    out = [
+        f"{what}: L1/L2/L3 tokens and TTFT s, measured -> predicted",
+        f"{'id':<10}{'session':>8}{'prompt':>8}  {'measured':>16}  {'predicted':>16}"
+        f"{'TTFT':>9}{'->':>3}{'TTFT':>9}",
+    ]
+    for r in shown[:PER_REQUEST_ROWS]:
+        m, p = tiers(r, "measured"), tiers(r, "predicted")
+        mark = "" if m == p else "  *"
+        out.append(
+            f"{r['id']:<10}{r['session']:>8}{r['input_length']:>8}  {'/'.join(map(str, m)):>16}  "
+            f"{'/'.join(map(str, p)):>16}{_cell(r['measured_ttft_s']):>9}{'':>3}"
+            f"{_cell(r['predicted_ttft_s']):>9}{mark}"
+        )
+    return out
+
+
+def _cell(x: float | str) -> str:
+    return "-" if x == "" else f"{x:.3f}"
 
 
 def _rate(seconds_per_token: float | None) -> str:
@@ -789,7 +854,11 @@ def _rate(seconds_per_token: float | None) -> str:
 
 def summary_doc(res: TwinResult, sc_doc: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """summary.json: the overall figures, flat, then the calibration and the what-if."""
-    out: dict[str, Any] = {"recording": str(res.recording.path), "baseline": res.baseline}
+    out: dict[str, Any] = {
+        "recording": str(res.recording.path),
+        "baseline": res.baseline,
+        "one_request_at_a_time": res.sequential,
+    }
     for key in ("hit_rate", "ttft_mean_s", "ttft_p90_s", "tpot_mean_s"):
         out[f"predicted_{key}"] = res.predicted[key]
         out[f"measured_{key}"] = res.measured[key]
@@ -816,8 +885,9 @@ def write_outputs(out: Path, res: TwinResult) -> list[Path]:
     import csv
 
     from hicache.results import write_summary_json
+    from hicache.sim.runner import check_out
 
-    out.mkdir(parents=True, exist_ok=True)
+    check_out(out)  # an OutputError (exit 2) naming --out when it cannot be written
     paths = [out / "summary.json", out / "requests.csv"]
     write_summary_json(paths[0], summary_doc(res))
     rows = list(request_rows(res.recording, res.records, res.what_if_records))

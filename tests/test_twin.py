@@ -303,6 +303,28 @@ def test_the_twin_replays_a_simulator_made_recording_exactly(tmp_path: Path, sto
     assert abs(res.errors["ttft_mean"] or 0.0) < 0.05
 
 
+def test_turns_that_overlapped_replay_closed_loop_and_one_client_one_at_a_time(tmp_path: Path) -> None:
+    """A recording whose requests never overlapped (one client sending one request at a time)
+    replays one request at a time; one where they overlapped replays as a closed loop of its
+    sessions, each turn after the previous one's answer and the client's own pause."""
+    apart, busy = tmp_path / "apart.jsonl", tmp_path / "busy.jsonl"
+    write_recording(apart, sim_scenario())
+    doc = sim_scenario().to_dict()
+    doc["workload"].update(rate=50.0, think_time=0.01)
+    write_recording(busy, parse_scenario(doc, "busy.toml"))
+    assert twin.read_recording(apart).one_at_a_time and twin.twin(apart).sequential
+    rec = twin.read_recording(busy)
+    assert not rec.one_at_a_time
+    res = twin.twin(busy, calibrate=False)  # queueing, not compute, sets these TTFTs
+    assert not res.sequential and res.predicted["requests"] == len(rec.requests)
+    items, _ = twin.work_items(rec, PAGE, "tiny")
+    by_session: dict[str, list[Any]] = {}
+    for item in items:
+        by_session.setdefault(item.session, []).append(item)
+    for turns in by_session.values():  # the first turn arrives at its time, the others follow
+        assert turns[0].think is None and all(t.think is not None and t.think >= 0 for t in turns[1:])
+
+
 # ============================================================================ what-ifs
 
 
@@ -420,3 +442,14 @@ def test_real_node_the_twin_predicts_the_recorded_tiers_and_the_l2_what_if(tmp_p
     predicted = res.what_if["hit_rate"] - res.predicted["hit_rate"]
     assert real > 0 and predicted > 0  # L2 doubled keeps pages the smaller L2 lost
     assert abs(predicted - real) <= 0.05
+
+
+def test_a_missing_file_or_an_unwritable_out_is_one_line_and_exit_2(
+    recorded: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli_main(["sim", "twin", str(tmp_path / "none.jsonl")]) == 2
+    assert "none.jsonl: cannot read the trace" in capsys.readouterr().err
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert cli_main(["sim", "twin", str(recorded), "--out", str(blocker)]) == 2
+    assert "exists and is not a folder" in capsys.readouterr().err
