@@ -348,6 +348,29 @@ def build_parser() -> argparse.ArgumentParser:
     )
     decode.add_argument("--no-storage", action="store_true", help="no L3 at all")
     decode.add_argument(
+        "--tp-size",
+        type=int_in(1),
+        default=1,
+        help="tensor-parallel ranks, one process each (rank 0 starts the others and serves clients); "
+        "the model's KV heads must be a multiple of it",
+    )
+    decode.add_argument(
+        "--collective-timeout",
+        type=float_above(0),
+        default=5.0,
+        metavar="SECONDS",
+        help="with --tp-size > 1: a rank that does not join a collective within this ends the node (default 5)",
+    )
+    decode.add_argument(
+        "--command-log",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="write every command each rank's core emits to DIR/rank<R>.log (for comparing ranks)",
+    )
+    decode.add_argument("--tp-rank", type=int_in(0), default=0, help=argparse.SUPPRESS)
+    decode.add_argument("--tp-store", type=host_port, default=None, help=argparse.SUPPRESS)
+    decode.add_argument(
         "--no-decode-cache",
         action="store_true",
         help="no decode-side cache at all: every prompt's KV comes from prefill (the baseline); "
@@ -610,6 +633,7 @@ def _decode_config(args: argparse.Namespace):
         transfer_retries=args.transfer_retries,
         transfer_backoff_s=args.transfer_backoff,
         transfer_backoff_max_s=args.transfer_backoff_max,
+        tp_size=getattr(args, "tp_size", 1),
         **policy,
     )
 
@@ -674,6 +698,11 @@ def _decode_options(args: argparse.Namespace, model: TinyConfig | str) -> Decode
         limits=_limits(args),
         secret_file=args.secret_file,
         api_keys=args.api_keys,
+        tp_rank=args.tp_rank,
+        tp_store=args.tp_store,
+        tp_argv=tuple(sys.argv[1:]),
+        collective_timeout=args.collective_timeout,
+        command_log=args.command_log,
     )
 
 

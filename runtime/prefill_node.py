@@ -122,6 +122,7 @@ class PrefillNode:
         self.engine = engine
         self.staging = KVPool(layout, staging_pages, name="prefill-staging")
         self.region = engine.register("staging", self.staging.bytes_view())
+        self._parts = _head_parts(self.staging, engine)  # TP: pages of 1/d of the heads
         self.pages = _PageAllocator(staging_pages)
         self.transfer_timeout = transfer_timeout
         self.gate = Gate(limits if limits is not None else Limits(), log)
@@ -184,7 +185,9 @@ class PrefillNode:
                     f"message 'hello': bad field 'info': {protocol.clip(str(exc))}"
                 ) from None
             mine = compat.profile(self.layout, self.engine, self.model.config)
-            why = compat.mismatch(mine, hello.get("profile"), "the decode node")
+            why = compat.mismatch(mine, hello.get("profile"), "the decode node") or compat.shard_heads(
+                hello.get("profile"), self.layout.kv_heads
+            )
             if why is not None:  # checked before the peer is known to the engine
                 raise protocol.MessageError(f"message 'hello': {why}")
             try:
@@ -323,8 +326,9 @@ class PrefillNode:
             if len(dst) != last_page - first_page:
                 raise ValueError(f"{len(dst)} destination pages for pages {first_page}..{last_page - 1}")
             sampling = check_sampling(msg.get("sampling"), self.model.config.vocab)
+            heads = _heads(msg, self.layout.kv_heads)
             kv, first_token = await self._kv(tokens, namespace, sampling)
-            digests = await self._send(kv, first_page, last_page, peer, dst, f"kv:{tid}".encode())
+            digests = await self._send(kv, first_page, last_page, peer, dst, f"kv:{tid}".encode(), heads)
             reply.update(ok=True, first_token=first_token, digests=digests)
         except protocol.MessageError as exc:  # a bad field: the reason names it
             reply.update(ok=False, reason=str(exc))
@@ -388,16 +392,31 @@ class PrefillNode:
             self._recent_bytes -= old.nbytes
 
     async def _send(
-        self, kv: torch.Tensor, first: int, last: int, peer: str, dst: list[int], notif: bytes
+        self,
+        kv: torch.Tensor,
+        first: int,
+        last: int,
+        peer: str,
+        dst: list[int],
+        notif: bytes,
+        heads: tuple[int, int] | None = None,
     ) -> list[str]:
+        """Stage and WRITE pages [first, last) of `kv`; with `heads` (a TP rank's [lo, hi)),
+        only those heads of each page, staged as the first part of a staging page."""
+        region, staging, per = self.region, self.staging.data, 1
+        if heads is not None:
+            per = self.layout.kv_heads // (heads[1] - heads[0])
+            kv = kv[:, :, :, heads[0] : heads[1]]
+            region, staging = self._parts[per]
         pages = to_pages(kv, self.layout.page_size)[first:last]
         slots = await self.pages.take(len(dst))
+        parts = [s * per for s in slots]  # staging page s holds parts s*per .. s*per+per-1
         settled = True
         try:
             if slots:
-                self.staging.data[torch.tensor(slots)] = pages.to(self.staging.data.dtype)
-            digests = page_digests(self.staging.data[torch.tensor(slots, dtype=torch.int64)]) if slots else []
-            handle = await self.engine.post("WRITE", self.region, slots, peer, "L1", dst, notif)
+                staging[torch.tensor(parts)] = pages.to(staging.dtype)
+            digests = page_digests(staging[torch.tensor(parts, dtype=torch.int64)]) if slots else []
+            handle = await self.engine.post("WRITE", region, parts, peer, "L1", dst, notif)
             try:
                 state = await self.engine.wait(handle, timeout=self.transfer_timeout)
                 if state is not XferState.DONE:
@@ -418,3 +437,30 @@ class PrefillNode:
             if settled:  # else the WRITE may still read them: keep them out of use
                 with trio.CancelScope(shield=True):
                     await self.pages.give(slots)
+
+
+def _head_parts(staging: KVPool, engine: TransferEngine) -> dict[int, tuple[Any, torch.Tensor]]:
+    """For each d > 1 dividing the KV heads, the staging pool seen as pages of 1/d of the heads
+    (registered with the engine now: a peer learns the regions from the hello)."""
+    layout, n = staging.layout, staging.num_pages
+    out = {}
+    for d in range(2, layout.kv_heads + 1):
+        if layout.kv_heads % d == 0 and (layout.page_bytes // d) % 8 == 0:
+            shape = (n * d, layout.layers, 2, layout.page_size, layout.kv_heads // d, layout.head_dim)
+            view = staging.data.view(-1).view(shape)
+            region = engine.register(f"staging/{d}", staging.bytes_view().view(n * d, -1))
+            out[d] = (region, view)
+    return out
+
+
+def _heads(msg: dict, kv_heads: int) -> tuple[int, int] | None:
+    """A TP rank's KV heads [lo, hi) from a `kv` request (None: all of them)."""
+    if msg.get("heads") is None:
+        return None
+    heads = protocol.int_list(msg, "heads", high=kv_heads + 1)
+    if len(heads) != 2 or not 0 <= heads[0] < heads[1] <= kv_heads:
+        raise protocol.MessageError(f"message 'kv': field 'heads' must be [lo, hi) within {kv_heads} heads")
+    lo, hi = heads
+    if kv_heads % (hi - lo) or lo % (hi - lo):
+        raise protocol.MessageError(f"message 'kv': heads [{lo}, {hi}) are not a rank's part of {kv_heads}")
+    return lo, hi

@@ -1,0 +1,191 @@
+"""A tensor-parallel decode node on real processes: `hicache node decode --tp-size 2`, two ranks
+over gloo on loopback, each holding half of the tiny model's KV heads.
+
+The ranks generate the tokens one rank generates; every rank's pages are checked against the
+ground truth for its heads; ranks whose L3 shards differ (a page file missing or corrupt on one
+rank) take the same shortened plan with identical command sequences; a rank that dies ends the
+node on every rank with a line naming it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import trio
+
+from hicache.core.pages import namespace_seed, page_keys
+from hicache.runtime.client import DecodeClient
+from hicache.runtime.launch import NodeProcess, start_node
+from hicache.runtime.model import TinyConfig, TinyModel
+from hicache.runtime.storage.file_store import SUFFIX
+from hicache.runtime.verify import KVLedger
+
+PAGE = 16
+GUARD_S = 60  # a guard against hangs, never a speed assertion
+
+
+async def _prefill(logs: Path) -> NodeProcess:
+    return await start_node(["prefill", "--engine", "tcp", "--page-size", str(PAGE)], logs, "prefill")
+
+
+async def _decode(prefill: NodeProcess, logs: Path, tp: int, *extra: str, name: str = "decode") -> NodeProcess:
+    args = ["decode", "--engine", "tcp", "--prefill", f"127.0.0.1:{prefill.port}", "--page-size", str(PAGE)]
+    args += ["--l1-pages", "256", "--l2-pages", "512", "--tp-size", str(tp)]
+    args += ["--prefetch-threshold-tokens", str(PAGE), "--decode-reserve-tokens", "64", *extra]
+    return await start_node(args, logs, name)
+
+
+async def _conversation(prefill: NodeProcess, tmp: Path, tp: int) -> list[tuple[list[int], dict]]:
+    """Four turns of one conversation — cold, then from L1, from L2 (after an eviction) and
+    from L3 (after a restart on the same storage) — each checked by the ledger."""
+    logs, storage = tmp / f"logs{tp}", tmp / f"l3-{tp}"
+    ledger = KVLedger(TinyModel(TinyConfig()), PAGE)
+    rng = np.random.default_rng(11)
+    prompt = rng.integers(0, 512, 120).tolist()
+    args = ("--storage-dir", str(storage), "--prefetch-policy", "wait_complete")
+    decode = await _decode(prefill, logs, tp, *args)
+    out = []
+    try:
+        client = await DecodeClient.connect("127.0.0.1", decode.port)
+        for turn, tier in enumerate(["cold", "l1", "l2", "l3"]):
+            if tier == "l2":
+                await client.evict()
+                await client.idle()
+            if tier == "l3":
+                await client.idle()
+                await client.aclose()
+                assert decode.stop() == 0
+                decode = await _decode(prefill, logs, tp, *args)
+                client = await DecodeClient.connect("127.0.0.1", decode.port)
+            with trio.fail_after(GUARD_S):
+                reply, kv = await client.generate(f"t{turn}", prompt, 12, verify=True)
+            assert ledger.check(prompt, 12, reply, kv) == [], reply["reason"]
+            account = reply["account"]
+            if tier != "cold":
+                assert account[tier] > 0, (tier, account)
+            assert len(reply.get("tp_ranks", ())) == tp - 1
+            for part in reply.get("tp_ranks", ()):  # every rank restored the same pages
+                assert [p["source"] for p in part["start_pages"]] == [p["source"] for p in reply["start_pages"]]
+            out.append((reply["tokens"], account))
+            prompt = prompt + reply["tokens"] + rng.integers(0, 512, 30).tolist()
+        if tp > 1:
+            stats = await client.stats()
+            assert len(stats["ranks"]) == tp and all(r["l1_pages_used"] > 0 for r in stats["ranks"])
+        await client.aclose()
+    finally:
+        decode.kill()
+    return out
+
+
+async def test_two_ranks_generate_what_one_generates_with_every_tier_checked_per_rank(tmp_path: Path) -> None:
+    prefill = await _prefill(tmp_path / "logs")
+    try:
+        one = await _conversation(prefill, tmp_path, 1)
+        two = await _conversation(prefill, tmp_path, 2)
+    finally:
+        prefill.kill()
+    assert two == one  # tokens and tier accounts, turn by turn
+    assert (tmp_path / "l3-2" / "tp2" / "rank0").is_dir() and (tmp_path / "l3-2" / "tp2" / "rank1").is_dir()
+
+
+def _page_file(storage: Path, rank: int, key: int) -> Path:
+    name = f"{key:016x}"
+    return storage / "tp2" / f"rank{rank}" / name[:2] / (name + SUFFIX)
+
+
+async def test_ranks_with_different_l3_shards_take_the_same_shortened_plan(tmp_path: Path) -> None:
+    logs, storage, commands = tmp_path / "logs", tmp_path / "l3", tmp_path / "commands"
+    rng = np.random.default_rng(5)
+    prompts = {"gone": rng.integers(0, 512, 150).tolist(), "bad": rng.integers(0, 512, 150).tolist()}
+    args = ("--storage-dir", str(storage), "--prefetch-policy", "wait_complete")
+    prefill = await _prefill(logs)
+    try:
+        decode = await _decode(prefill, logs, 2, *args)
+        client = await DecodeClient.connect("127.0.0.1", decode.port)
+        for name, prompt in prompts.items():
+            with trio.fail_after(GUARD_S):
+                reply, _ = await client.generate(name, prompt, 4)
+            assert reply["outcome"] == "finished"
+        await client.idle()
+        await client.aclose()
+        assert decode.stop() == 0
+        seed = namespace_seed("tiny", None)
+        keys = {n: page_keys(np.asarray(p, dtype=np.int64), PAGE, seed).tolist() for n, p in prompts.items()}
+        for key in keys["gone"][3:]:  # rank 1's shard holds 3 pages of the first prompt
+            _page_file(storage, 1, key).unlink()
+        bad = _page_file(storage, 1, keys["bad"][2])  # present, but fails its check when read
+        data = bytearray(bad.read_bytes())
+        data[-1] ^= 0xFF
+        bad.write_bytes(bytes(data))
+
+        decode = await _decode(prefill, logs, 2, *args, "--command-log", str(commands))
+        client = await DecodeClient.connect("127.0.0.1", decode.port)
+        accounts = {}
+        for name, prompt in prompts.items():
+            with trio.fail_after(GUARD_S):
+                reply, _ = await client.generate(name + "2", prompt + [1, 2, 3], 4)
+            assert reply["outcome"] == "finished", reply["reason"]
+            accounts[name] = reply["account"]
+        await client.idle()
+        await client.aclose()
+        assert decode.stop() == 0
+    finally:
+        prefill.kill()
+    assert accounts["gone"]["l3"] == 3 * PAGE and accounts["gone"]["fallback"] == 0
+    assert accounts["bad"]["l3"] == 2 * PAGE and accounts["bad"]["fallback"] > 0
+    rank0 = (commands / "rank0.log").read_text().splitlines()
+    rank1 = (commands / "rank1.log").read_text().splitlines()
+    assert rank0 and rank0 == rank1
+    assert any(line.startswith("Prefetch(") for line in rank0)
+
+
+def _gone(pid: int) -> bool:
+    """The process ended (or is a zombie nobody reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.parametrize("victim", [1, 0])
+async def test_a_killed_rank_ends_every_rank_with_a_line_naming_it(tmp_path: Path, victim: int) -> None:
+    logs = tmp_path / "logs"
+    prefill = await _prefill(logs)
+    try:
+        decode = await _decode(prefill, logs, 2, "--collective-timeout", "3")
+        (other,) = decode.info["tp_pids"]
+        client = await DecodeClient.connect("127.0.0.1", decode.port)
+        with trio.fail_after(GUARD_S):
+            reply, _ = await client.generate("a", list(range(1, 60)), 4)
+        assert reply["outcome"] == "finished"
+        os.kill(other if victim == 1 else decode.proc.pid, signal.SIGKILL)
+        with trio.fail_after(GUARD_S):
+            status = await trio.to_thread.run_sync(decode.proc.wait)
+            while not _gone(other):
+                await trio.sleep(0.05)
+        await client.aclose()
+    finally:
+        decode.kill()
+        prefill.kill()
+    said = decode.stderr_path.read_text()
+    if victim == 1:
+        assert status == 3
+        assert "hicache node decode: rank 0: rank 1 exited (killed by signal 9)" in said
+    else:
+        assert "hicache node decode: rank 1: rank 0 is gone" in said
+
+
+def test_a_model_whose_kv_heads_do_not_split_is_refused_at_start(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "hicache", "node", "decode", "--prefill", "127.0.0.1:9", "--tp-size", "3"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=GUARD_S)
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert lines[-1] == (
+        "hicache node decode: --tp-size 3: the model's kv_heads (2) is not a multiple of it"
+    )
