@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -359,7 +360,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=float_above(0),
         default=5.0,
         metavar="SECONDS",
-        help="with --tp-size > 1: a rank that does not join a collective within this ends the node (default 5)",
+        help="with --tp-size > 1: a rank that does not join a collective within this ends the node "
+        "(default 5)",
     )
     decode.add_argument(
         "--command-log",
@@ -646,6 +648,8 @@ def _logging(level: str) -> None:
 
 
 def run_node(args: argparse.Namespace) -> int:
+    if getattr(args, "tp_size", 1) > 1:  # before torch loads: a lost rank is our one line, not a C++ trace
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     from hicache.runtime import nodes
     from hicache.runtime.model import TinyConfig
 

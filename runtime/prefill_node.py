@@ -46,6 +46,7 @@ from hicache.runtime.kv_pool import KVPool
 from hicache.runtime.limits import Gate, Limits, peer_name
 from hicache.runtime.model import LlamaModel, to_pages
 from hicache.runtime.sampling_fields import check_sampling, draw
+from hicache.runtime.tp_kv import head_parts, heads_field
 from hicache.runtime.transfer.base import TransferEngine, XferState
 
 
@@ -122,7 +123,7 @@ class PrefillNode:
         self.engine = engine
         self.staging = KVPool(layout, staging_pages, name="prefill-staging")
         self.region = engine.register("staging", self.staging.bytes_view())
-        self._parts = _head_parts(self.staging, engine)  # TP: pages of 1/d of the heads
+        self._parts = head_parts(self.staging, engine)  # TP: pages of 1/d of the heads
         self.pages = _PageAllocator(staging_pages)
         self.transfer_timeout = transfer_timeout
         self.gate = Gate(limits if limits is not None else Limits(), log)
@@ -326,7 +327,7 @@ class PrefillNode:
             if len(dst) != last_page - first_page:
                 raise ValueError(f"{len(dst)} destination pages for pages {first_page}..{last_page - 1}")
             sampling = check_sampling(msg.get("sampling"), self.model.config.vocab)
-            heads = _heads(msg, self.layout.kv_heads)
+            heads = heads_field(msg, self.layout.kv_heads)
             kv, first_token = await self._kv(tokens, namespace, sampling)
             digests = await self._send(kv, first_page, last_page, peer, dst, f"kv:{tid}".encode(), heads)
             reply.update(ok=True, first_token=first_token, digests=digests)
@@ -437,30 +438,3 @@ class PrefillNode:
             if settled:  # else the WRITE may still read them: keep them out of use
                 with trio.CancelScope(shield=True):
                     await self.pages.give(slots)
-
-
-def _head_parts(staging: KVPool, engine: TransferEngine) -> dict[int, tuple[Any, torch.Tensor]]:
-    """For each d > 1 dividing the KV heads, the staging pool seen as pages of 1/d of the heads
-    (registered with the engine now: a peer learns the regions from the hello)."""
-    layout, n = staging.layout, staging.num_pages
-    out = {}
-    for d in range(2, layout.kv_heads + 1):
-        if layout.kv_heads % d == 0 and (layout.page_bytes // d) % 8 == 0:
-            shape = (n * d, layout.layers, 2, layout.page_size, layout.kv_heads // d, layout.head_dim)
-            view = staging.data.view(-1).view(shape)
-            region = engine.register(f"staging/{d}", staging.bytes_view().view(n * d, -1))
-            out[d] = (region, view)
-    return out
-
-
-def _heads(msg: dict, kv_heads: int) -> tuple[int, int] | None:
-    """A TP rank's KV heads [lo, hi) from a `kv` request (None: all of them)."""
-    if msg.get("heads") is None:
-        return None
-    heads = protocol.int_list(msg, "heads", high=kv_heads + 1)
-    if len(heads) != 2 or not 0 <= heads[0] < heads[1] <= kv_heads:
-        raise protocol.MessageError(f"message 'kv': field 'heads' must be [lo, hi) within {kv_heads} heads")
-    lo, hi = heads
-    if kv_heads % (hi - lo) or lo % (hi - lo):
-        raise protocol.MessageError(f"message 'kv': heads [{lo}, {hi}) are not a rank's part of {kv_heads}")
-    return lo, hi

@@ -18,6 +18,7 @@ rank with one line naming the rank and the collective (`TPFailure`) and exit sta
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
@@ -37,6 +38,8 @@ import trio
 log = logging.getLogger("hicache.runtime.decode")
 EXIT_STATUS = 3  # a TP group that lost a rank
 START_TIMEOUT_S = 300.0  # every rank loads its model and reaches prefill within this
+# c10d logs a lost peer with a C++ backtrace; the rank's own one line says it better.
+QUIET_TORCH = {**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR"}
 
 
 class TPFailure(Exception):
@@ -93,7 +96,9 @@ class TPGroup:
         children = []
         for r in range(1, size):
             cmd = [sys.executable, "-m", "hicache", *argv, "--tp-rank", str(r), "--tp-store", where]
-            children.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stdin=subprocess.DEVNULL))
+            children.append(
+                subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stdin=subprocess.DEVNULL, env=QUIET_TORCH)
+            )
         return cls(0, size, store, timeout, device=device, children=children)
 
     @classmethod
@@ -229,10 +234,8 @@ class TPGroup:
         """Rank 0: tell the other ranks the node is stopping, SIGTERM them, and reap them."""
         if not self.children:
             return
-        try:
+        with contextlib.suppress(RuntimeError, OSError):
             self.store.set("stop", "1")
-        except (RuntimeError, OSError):
-            pass
         for child in self.children:
             if child.poll() is None:
                 child.send_signal(signal.SIGTERM)

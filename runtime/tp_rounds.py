@@ -137,11 +137,15 @@ class Rounds:
     async def run(self) -> None:
         try:
             while True:
-                if self.g.rank == 0:
-                    with trio.move_on_after(self.s.tick_interval if self._busy() else HEARTBEAT_S):
-                        await self._wake.wait()
-                    if self._busy():
+                if self.g.rank == 0:  # paces the rounds: at once while decoding, a tick
+                    # interval with other work, else on news (or a heartbeat)
+                    if any(live.running for live in self.s.live.values()):
+                        await trio.lowlevel.checkpoint()
+                    elif self._busy():
                         await trio.sleep(self.s.tick_interval)
+                    else:
+                        with trio.move_on_after(HEARTBEAT_S):
+                            await self._wake.wait()
                     self._wake = trio.Event()
                 await self.round()
         except TPFailure as exc:
@@ -221,27 +225,27 @@ class Rounds:
                 kind = ev.BackupDone if key[0] == "backup" else ev.StoreDone
                 self.s._feed_now(kind(self.now, key[1], tuple(failed)))
                 continue
-            req = by_rank[0][0][1]
-            tid = key[1]
-            if key in self._abandoned:  # fed KVAbandoned: waits for each abandoning rank's settling
-                if all(len(by_rank[r]) > 1 for r in self._abandoned[key]):
-                    del self._pending[key], self._abandoned[key]
-                    self.s._feed_now(ev.KVFailed(self.now, req, tid, "abandoned transfer settled"))
-                continue
-            firsts = {r: outs[0] for r, outs in sorted(by_rank.items())}
-            gone = {r for r, o in firsts.items() if o[0] == "abandoned"}
-            failed = [(r, o) for r, o in firsts.items() if o[0] == "failed"]
-            if gone:
-                self._abandoned[key] = gone
-                r = min(gone)
-                self.s._feed_now(ev.KVAbandoned(self.now, req, tid, f"rank {r}: {firsts[r][2]}"))
-                continue
-            del self._pending[key]
-            if failed:
-                r, o = failed[0]
-                self.s._feed_now(ev.KVFailed(self.now, req, tid, f"rank {r}: {o[2]}"))
-            else:
-                self.s._feed_now(ev.KVArrived(self.now, req, tid))
+            req, tid = by_rank[0][0][1], key[1]
+            if key not in self._abandoned:
+                firsts = {r: outs[0] for r, outs in sorted(by_rank.items())}
+                gone = {r for r, o in firsts.items() if o[0] == "abandoned"}
+                failed = [(r, o) for r, o in firsts.items() if o[0] == "failed"]
+                if gone:
+                    self._abandoned[key] = gone
+                    r = min(gone)
+                    self.s._feed_now(ev.KVAbandoned(self.now, req, tid, f"rank {r}: {firsts[r][2]}"))
+                else:
+                    del self._pending[key]
+                    if failed:
+                        r, o = failed[0]
+                        self.s._feed_now(ev.KVFailed(self.now, req, tid, f"rank {r}: {o[2]}"))
+                    else:
+                        self.s._feed_now(ev.KVArrived(self.now, req, tid))
+                    continue
+            # Fed KVAbandoned: over once every abandoning rank's transfer settled.
+            if all(len(by_rank[r]) > 1 for r in self._abandoned[key]):
+                del self._pending[key], self._abandoned[key]
+                self.s._feed_now(ev.KVFailed(self.now, req, tid, "abandoned transfer settled"))
 
     def _collect(self, payloads: list[dict[str, Any]]) -> None:
         """Rank 0: the other ranks' reports and answers; a request is answered once all are in."""

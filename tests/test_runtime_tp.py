@@ -14,15 +14,20 @@ import subprocess
 import sys
 from pathlib import Path
 
+import hypothesis.strategies as st
 import numpy as np
 import pytest
 import trio
+from builders import examples
+from hypothesis import given, settings
 
+from hicache.core import events as ev
 from hicache.core.pages import namespace_seed, page_keys
 from hicache.runtime.client import DecodeClient
 from hicache.runtime.launch import NodeProcess, start_node
 from hicache.runtime.model import TinyConfig, TinyModel
 from hicache.runtime.storage.file_store import SUFFIX
+from hicache.runtime.tp_rounds import Rounds
 from hicache.runtime.verify import KVLedger
 
 PAGE = 16
@@ -33,7 +38,9 @@ async def _prefill(logs: Path) -> NodeProcess:
     return await start_node(["prefill", "--engine", "tcp", "--page-size", str(PAGE)], logs, "prefill")
 
 
-async def _decode(prefill: NodeProcess, logs: Path, tp: int, *extra: str, name: str = "decode") -> NodeProcess:
+async def _decode(
+    prefill: NodeProcess, logs: Path, tp: int, *extra: str, name: str = "decode"
+) -> NodeProcess:
     args = ["decode", "--engine", "tcp", "--prefill", f"127.0.0.1:{prefill.port}", "--page-size", str(PAGE)]
     args += ["--l1-pages", "256", "--l2-pages", "512", "--tp-size", str(tp)]
     args += ["--prefetch-threshold-tokens", str(PAGE), "--decode-reserve-tokens", "64", *extra]
@@ -70,7 +77,9 @@ async def _conversation(prefill: NodeProcess, tmp: Path, tp: int) -> list[tuple[
                 assert account[tier] > 0, (tier, account)
             assert len(reply.get("tp_ranks", ())) == tp - 1
             for part in reply.get("tp_ranks", ()):  # every rank restored the same pages
-                assert [p["source"] for p in part["start_pages"]] == [p["source"] for p in reply["start_pages"]]
+                assert [p["source"] for p in part["start_pages"]] == [
+                    p["source"] for p in reply["start_pages"]
+                ]
             out.append((reply["tokens"], account))
             prompt = prompt + reply["tokens"] + rng.integers(0, 512, 30).tolist()
         if tp > 1:
@@ -186,6 +195,77 @@ def test_a_model_whose_kv_heads_do_not_split_is_refused_at_start(tmp_path: Path)
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=GUARD_S)
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
-    assert lines[-1] == (
-        "hicache node decode: --tp-size 3: the model's kv_heads (2) is not a multiple of it"
-    )
+    assert lines[-1] == ("hicache node decode: --tp-size 3: the model's kv_heads (2) is not a multiple of it")
+
+
+# ---------------------------------------------------------------------------- merging completions
+
+
+class _Fed:
+    """Stands in for the service and the group: records what a round feeds."""
+
+    def __init__(self, size: int) -> None:
+        self.size, self.rank, self.events = size, 0, []
+
+    def _feed_now(self, event: object, **_: object) -> None:
+        self.events.append(event)
+
+
+OUTCOMES = st.sampled_from(["arrived", "failed", "abandoned"])
+
+
+@settings(max_examples=examples(200), deadline=None)
+@given(
+    size=st.integers(2, 4),
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["kv", "store"]), st.lists(st.tuples(OUTCOMES, st.integers(0, 3)), min_size=4)
+        ),
+        min_size=1,
+        max_size=6,
+    ),
+)
+def test_a_completion_is_fed_once_every_rank_reported_it_merged_as_the_worst(
+    size: int, ops: list[tuple[str, list[tuple[str, int]]]]
+) -> None:
+    """Ranks report each operation's outcome in any round; it is fed once all have, and only
+    then: a transfer arrived only where it arrived on every rank, failed if it failed on one,
+    abandoned (then settled, once every abandoning rank settled) if one rank abandoned it; a
+    store failed the pages any rank failed."""
+    fed = _Fed(size)
+    rounds = Rounds(fed, fed)  # type: ignore[arg-type]
+    reports: dict[int, list[tuple[int, tuple[str, int], tuple]]] = {}
+    for op, (kind, per_rank) in enumerate(ops):
+        for rank in range(size):
+            outcome, when = per_rank[rank % len(per_rank)]
+            if kind == "store":
+                done = ("done", (rank,) if outcome == "failed" else ())
+                reports.setdefault(when, []).append((rank, ("store", op), done))
+                continue
+            first = ("arrived", "r") if outcome == "arrived" else (outcome, "r", f"{outcome} here")
+            reports.setdefault(when, []).append((rank, ("kv", op), first))
+            if outcome == "abandoned":  # settles two rounds later
+                reports.setdefault(when + 2, []).append((rank, ("kv", op), ("failed", "r", "settled")))
+    last = max(reports)
+    for when in range(last + 1):
+        for rank, key, outcome in sorted(reports.get(when, ()), key=lambda x: x[0]):
+            rounds._pending.setdefault(key, {}).setdefault(rank, []).append(outcome)
+        rounds._merge()
+    assert not rounds._pending and not rounds._abandoned
+    by_op: dict[int, list[object]] = {}
+    for e in fed.events:
+        by_op.setdefault(getattr(e, "transfer", getattr(e, "op", None)), []).append(e)
+    for op, (kind, per_rank) in enumerate(ops):
+        outcomes = [per_rank[r % len(per_rank)][0] for r in range(size)]
+        got = by_op[op]
+        if kind == "store":
+            (e,) = got
+            assert isinstance(e, ev.StoreDone)
+            assert e.failed == tuple(r for r in range(size) if outcomes[r] == "failed")
+        elif "abandoned" in outcomes:
+            assert [type(e) for e in got] == [ev.KVAbandoned, ev.KVFailed]
+        elif "failed" in outcomes:
+            assert [type(e) for e in got] == [ev.KVFailed]
+            assert got[0].reason.startswith(f"rank {outcomes.index('failed')}: ")
+        else:
+            assert [type(e) for e in got] == [ev.KVArrived]
