@@ -67,6 +67,7 @@ class Rounds:
         self._seq = 0
         self.rank_reports: dict[str, dict[int, dict[str, Any]]] = {}  # rank 0: rid -> rank -> report
         self._asks: list[str] = []
+        self._replies: list[tuple[str, Any]] = []  # ranks 1..: answers to rank 0's asks
         self._answers: dict[str, dict[int, Any]] = {}
         self._answered: dict[str, trio.Event] = {}
         self._wake = trio.Event()
@@ -111,9 +112,9 @@ class Rounds:
             self._answers[what] = {}
             self._asks.append(what)
             self._wake.set()
-        done = self._answered[what]
+        done, answers = self._answered[what], self._answers[what]
         await done.wait()
-        return self._answers[what]
+        return answers
 
     @staticmethod
     def _completion(e: ev.Event) -> tuple[tuple[str, int], tuple]:
@@ -144,7 +145,7 @@ class Rounds:
                     elif self._busy():
                         await trio.sleep(self.s.tick_interval)
                     else:
-                        with trio.move_on_after(HEARTBEAT_S):
+                        with trio.move_on_after(min(HEARTBEAT_S, self.g.timeout / 4)):
                             await self._wake.wait()
                     self._wake = trio.Event()
                 await self.round()
@@ -161,6 +162,7 @@ class Rounds:
             self._external, self._asks = [], []
         else:
             mine["reports"], self._reports = self._reports, []
+            mine["answers"], self._replies = self._replies, []
         payloads = await g.exchange(mine)
         lead = payloads[0]
         self.now = lead["now"]
@@ -186,8 +188,7 @@ class Rounds:
         if g.rank == 0:
             self._collect(payloads)
         else:
-            for what in lead["asks"]:
-                self._reports.append(("?" + what, {"answer": s.local_answer(what)}))
+            self._replies += [(what, s.local_answer(what)) for what in lead["asks"]]
         await s.tp_decode_step()
 
     def _external_event(self, kind: str, item: Any) -> None:
@@ -250,13 +251,11 @@ class Rounds:
     def _collect(self, payloads: list[dict[str, Any]]) -> None:
         """Rank 0: the other ranks' reports and answers; a request is answered once all are in."""
         for rank, p in enumerate(payloads[1:], start=1):
-            for rid, info in p.get("reports", ()):
-                if rid.startswith("?"):
-                    what = rid[1:]
-                    self._answers[what][rank] = info["answer"]
-                    if len(self._answers[what]) == self.g.size - 1:
-                        self._answered.pop(what).set()
-                    continue
+            for what, answer in p["answers"]:
+                self._answers[what][rank] = answer
+                if len(self._answers[what]) == self.g.size - 1:
+                    self._answered.pop(what).set()
+            for rid, info in p["reports"]:
                 self.rank_reports.setdefault(rid, {})[rank] = info
                 self.release(rid)
 
