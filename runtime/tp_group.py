@@ -26,6 +26,7 @@ import pickle
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -39,6 +40,7 @@ log = logging.getLogger("hicache.runtime.decode")
 EXIT_STATUS = 3  # a TP group that lost a rank
 START_TIMEOUT_S = 300.0  # every rank loads its model and reaches prefill within this
 # c10d logs a lost peer with a C++ backtrace; the rank's own one line says it better.
+BEAT_S = 0.2
 QUIET_TORCH = {**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR"}
 
 
@@ -139,6 +141,20 @@ class TPGroup:
         self._model = dist.group.WORLD
         self._cpu = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
         self.store.set_timeout(datetime.timedelta(seconds=min(self.timeout, 2.0)))
+        threading.Thread(target=self._beat, name=f"tp-heartbeat-{self.rank}", daemon=True).start()
+
+    def _beat(self) -> None:
+        """Count up `beat/<rank>` in the store while this process runs: a rank that is alive but
+        stuck (stopped, hung) is told apart from one merely slow to join by a count that stalls."""
+        while True:
+            try:
+                self.store.add(f"beat/{self.rank}", 1)
+            except (RuntimeError, OSError):
+                return  # rank 0's store is gone: the next collective says so
+            time.sleep(BEAT_S)
+
+    def _beats(self) -> dict[int, int]:
+        return {r: self.store.add(f"beat/{r}", 0) for r in range(self.size) if r != self.rank}
 
     # ------------------------------------------------------------------ collectives
 
@@ -203,11 +219,21 @@ class TPGroup:
 
     def blame(self, kind: str, exc: BaseException | None) -> str:
         """One line: which rank left collective `kind`, and how this rank knows."""
-        for r, child in enumerate(self.children, start=1):
-            if child.poll() is not None:
-                return f"rank {r} exited ({_status(child.returncode)}) during {kind}"
-        if self.rank != 0 and os.getppid() != self.parent:
-            return f"rank 0 is gone (its process ended) during {kind}"
+        # A peer's connection drops a moment before its process is seen to end: look a while.
+        end = time.monotonic() + 1.0
+        try:
+            beats = self._beats() if self.rank == 0 or not self.store.check(["stop"]) else {}
+        except (RuntimeError, ValueError, OSError):
+            beats = {}
+        while True:
+            for r, child in enumerate(self.children, start=1):
+                if child.poll() is not None:
+                    return f"rank {r} exited ({_status(child.returncode)}) during {kind}"
+            if self.rank != 0 and os.getppid() != self.parent:
+                return f"rank 0 is gone (its process ended) during {kind}"
+            if time.monotonic() >= end:
+                break
+            time.sleep(0.02)
         try:
             if self.rank != 0 and self.store.check(["stop"]):
                 return ""  # rank 0 is stopping the node: not a failure
@@ -218,16 +244,23 @@ class TPGroup:
                     where[r] = (int(rnd), int(phase), what)
         except (RuntimeError, ValueError, OSError):
             return f"rank 0 is gone (its store does not answer) during {kind}"
+        wait = f"{self.timeout:g} s"
+        try:
+            stalled = [r for r, n in self._beats().items() if beats.get(r) == n]
+        except (RuntimeError, ValueError, OSError):
+            stalled = []
+        if stalled:
+            r = stalled[0]
+            return f"rank {r} did not join {kind} of round {self.round} within {wait} (it stopped answering)"
         mine = (self.round, self._phase)
         behind = [r for r, (rnd, phase, _) in where.items() if (rnd, phase) < mine]
-        wait = f"{self.timeout:g} s"
         if behind:
             r = behind[0]
             return (
                 f"rank {r} did not join {kind} of round {self.round} within {wait} "
                 f"(it is at {where[r][2]} of round {where[r][0]})"
             )
-        said = str(exc).splitlines()[0] if exc is not None and str(exc) else "no answer"
+        said = str(exc).splitlines()[0][:160] if exc is not None and str(exc) else "no answer"
         return f"a rank left {kind} of round {self.round} ({said})"
 
     def stop_children(self, grace: float = 5.0) -> None:

@@ -162,8 +162,10 @@ def _gone(pid: int) -> bool:
         return True
 
 
-@pytest.mark.parametrize("victim", [1, 0])
-async def test_a_killed_rank_ends_every_rank_with_a_line_naming_it(tmp_path: Path, victim: int) -> None:
+@pytest.mark.parametrize("victim", ["rank 1 killed", "rank 0 killed", "rank 1 stopped"])
+async def test_a_dead_or_stuck_rank_ends_every_rank_with_a_line_naming_it(
+    tmp_path: Path, victim: str
+) -> None:
     logs = tmp_path / "logs"
     prefill = await _prefill(logs)
     try:
@@ -173,7 +175,8 @@ async def test_a_killed_rank_ends_every_rank_with_a_line_naming_it(tmp_path: Pat
         with trio.fail_after(GUARD_S):
             reply, _ = await client.generate("a", list(range(1, 60)), 4)
         assert reply["outcome"] == "finished"
-        os.kill(other if victim == 1 else decode.proc.pid, signal.SIGKILL)
+        pid = decode.proc.pid if victim == "rank 0 killed" else other
+        os.kill(pid, signal.SIGSTOP if victim == "rank 1 stopped" else signal.SIGKILL)
         with trio.fail_after(GUARD_S):
             status = await trio.to_thread.run_sync(decode.proc.wait)
             while not _gone(other):
@@ -183,9 +186,13 @@ async def test_a_killed_rank_ends_every_rank_with_a_line_naming_it(tmp_path: Pat
         decode.kill()
         prefill.kill()
     said = decode.stderr_path.read_text()
-    if victim == 1:
+    if victim == "rank 1 killed":
         assert status == 3
-        assert "hicache node decode: rank 0: rank 1 exited (killed by signal 9)" in said
+        assert "hicache node decode: rank 0: rank 1 exited (killed by signal 9) during " in said
+    elif victim == "rank 1 stopped":
+        assert status == 3
+        assert "hicache node decode: rank 0: rank 1 did not join " in said
+        assert "within 3 s (it stopped answering)" in said
     else:
         assert "hicache node decode: rank 1: rank 0 is gone" in said
 
