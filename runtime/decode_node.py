@@ -27,6 +27,11 @@ checks L2 pages against the checksums taken when they were written. A control co
 prefill that is lost is opened again by the next transfer, at the address `prefill_at` gives
 then (a prefill node restarted elsewhere is found there).
 
+With `--tp-size N` each rank runs this service over its part of the model and its heads of the
+KV; the ranks feed their cores in lockstep rounds (`runtime/tp_rounds.py`): `_feed` hands
+`Rounds` everything but a decode step's events, timers fire and agreements are answered there,
+and only rank 0 serves clients.
+
 Nothing a client or prefill sends stops the node: a bad frame ends its connection, a bad field
 its request, each with a reason in the log (`hicache.runtime.decode`) and, where the protocol
 allows, in an `error` answer; `Limits` bound the connections, the bytes of frames being received
@@ -40,7 +45,7 @@ import functools
 import logging
 import math
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TextIO
 
 import attrs
 import numpy as np
@@ -178,7 +183,7 @@ class DecodeService:
         secret: ClusterSecret | None = None,
         api_keys: ApiKeys | None = None,
         tp: TPGroup | None = None,
-        command_log: Any = None,
+        command_log: TextIO | None = None,
     ) -> None:
         """`check_pages` (default: whenever `faults` are given) verifies every page leaving L2
         against its checksum (pages received from prefill are always checked against prefill's

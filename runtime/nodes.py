@@ -271,6 +271,8 @@ def _tp_group(opts: DecodeOptions, model: LlamaModel) -> TPGroup | None:
     why = check_split(model.config, size)
     if why is not None:
         raise StartupError(why)
+    if opts.faults is not None and opts.faults.active:
+        raise StartupError(f"--faults: fault injection is not supported with --tp-size {size}")
     timeout = opts.collective_timeout
     try:
         if rank == 0:

@@ -23,10 +23,14 @@ from hypothesis import given, settings
 
 from hicache.core import events as ev
 from hicache.core.pages import namespace_seed, page_keys
+from hicache.runtime import protocol
 from hicache.runtime.client import DecodeClient
+from hicache.runtime.compat import shard_heads
 from hicache.runtime.launch import NodeProcess, start_node
 from hicache.runtime.model import TinyConfig, TinyModel
 from hicache.runtime.storage.file_store import SUFFIX
+from hicache.runtime.tp_kv import heads_field
+from hicache.runtime.tp_model import check_split, head_range
 from hicache.runtime.tp_rounds import Rounds
 from hicache.runtime.verify import KVLedger
 
@@ -276,3 +280,21 @@ def test_a_completion_is_fed_once_every_rank_reported_it_merged_as_the_worst(
             assert got[0].reason.startswith(f"rank {outcomes.index('failed')}: ")
         else:
             assert [type(e) for e in got] == [ev.KVArrived]
+
+
+# ---------------------------------------------------------------------------- what a rank asks for
+
+
+def test_a_rank_asks_for_its_heads_and_a_bad_request_is_refused_naming_the_field() -> None:
+    cfg = TinyConfig(q_heads=8, kv_heads=4)
+    assert [head_range(cfg, r, 2) for r in range(2)] == [(0, 2), (2, 4)]
+    assert check_split(cfg, 3) == "--tp-size 3: the model's kv_heads (4) is not a multiple of it"
+    assert heads_field({"heads": [2, 4]}, 4) == (2, 4)
+    assert heads_field({}, 4) is None
+    for bad in ([1, 3], [0, 3], [3, 2], [0, 5], "0-2", [0]):
+        with pytest.raises(protocol.MessageError, match="'heads'|heads \\["):
+            heads_field({"heads": bad}, 4)
+    shard = {"rank": 1, "size": 2, "heads": [2, 4]}
+    assert shard_heads({"shard": shard}, 4) is None
+    assert "is not a rank's part of 4 KV heads" in shard_heads({"shard": {**shard, "heads": [1, 3]}}, 4)
+    assert "is not a rank's part" in shard_heads({"shard": {"rank": 2, "size": 2, "heads": [4, 6]}}, 4)
