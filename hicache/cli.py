@@ -704,7 +704,7 @@ def _decode_options(args: argparse.Namespace, model: TinyConfig | str) -> Decode
         api_keys=args.api_keys,
         tp_rank=args.tp_rank,
         tp_store=args.tp_store,
-        tp_argv=tuple(sys.argv[1:]),
+        tp_argv=args.argv,
         collective_timeout=args.collective_timeout,
         command_log=args.command_log,
     )
@@ -792,6 +792,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = tuple(sys.argv[1:] if argv is None else argv)  # a TP node's rank 0 starts the others with it
     try:
         if args.command == "demo":
             return run_sim(DEMO_SCENARIO, args.overrides, args.out, progress=sys.stderr.isatty())
