@@ -13,6 +13,13 @@ within what the model computes quickly on a CPU).
 Prints AIPerf's TTFT / ITL / request latency summary beside the front door's /metrics: requests,
 prompt tokens, and cached tokens by tier.
 
+The node records what it serves (`--record-trace`, with `--record-block-size` equal to
+`--block-size`, so that a recorded id stands for as many tokens as an id of the slice AIPerf
+replays), and `hicache trace stats` of the recording is printed beside the slice's: the requests,
+tokens and ideal prefix reuse should match (the chat template's few tokens ahead of each prompt
+shift the block boundaries by the same amount in every prompt, so shared prefixes stay shared).
+`--keep DIR` keeps the slice and the recording.
+
     .venv/bin/python bench/aiperf_mooncake.py [--lines 40] [--block-size 32] [--speedup 20]
 """
 
@@ -30,6 +37,9 @@ from pathlib import Path
 import httpx2 as httpx
 from prometheus_client.parser import text_string_to_metric_families
 from serve_clients import client_venv, hicache_serve
+
+from hicache.scenarios.trace_stats import trace_stats
+from hicache.scenarios.traces import TraceRequest, read_mooncake
 
 ROOT = Path(__file__).resolve().parent.parent
 TRACE = ROOT.parent / "shared" / "traces" / "conversation_trace.jsonl"
@@ -78,6 +88,26 @@ def trace_slice(out: Path, lines: int, block: int, max_output: int, speedup: flo
     }
 
 
+def slice_requests(path: Path, block: int) -> list[TraceRequest]:
+    """The slice as AIPerf reads it: one id per `block` tokens."""
+    out = []
+    for line in path.read_text().splitlines():
+        r = json.loads(line)
+        ids = tuple(r["hash_ids"])
+        out.append(TraceRequest(r["timestamp"] / 1000, r["input_length"], r["output_length"], ids, block))
+    return out
+
+
+def stats_line(name: str, requests: list[TraceRequest]) -> str:
+    s = trace_stats(requests)
+    ratio = s.ideal_hit_ratio
+    return (
+        f"{name:<10} requests {s.requests:>4}  input tokens {s.input_tokens:>7}  "
+        f"blocks {s.blocks_total} total, "
+        f"{s.blocks_distinct} distinct  ideal hit {'-' if ratio is None else f'{ratio:.1%}'}"
+    )
+
+
 def metrics(url: str) -> dict[str, float]:
     text = httpx.get(f"{url}/metrics", timeout=30).text
     out: dict[str, float] = {}
@@ -96,13 +126,17 @@ def main() -> None:
     ap.add_argument("--max-output", type=int, default=16)
     ap.add_argument("--speedup", type=float, default=20.0, help="trace time / replay time")
     ap.add_argument("--artifacts", type=Path, default=ROOT / "out" / "aiperf")
+    ap.add_argument("--keep", type=Path, default=None, help="copy the slice and the recording here")
     args = ap.parse_args()
     exe = client_venv("aiperf", AIPERF, "aiperf")
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         tokenizer_cache(work / "hf")
         ideal = trace_slice(work / "slice.jsonl", args.lines, args.block_size, args.max_output, args.speedup)
-        with hicache_serve(["--storage-dir", str(work / "l3")], work / "serve.log") as ready:
+        recorded = work / "recorded.jsonl"
+        serve = ["--storage-dir", str(work / "l3"), "--record-trace", str(recorded)]
+        serve += ["--record-block-size", str(args.block_size)]
+        with hicache_serve(serve, work / "serve.log") as ready:
             url, model = ready["url"], ready["model"]
             env = {**os.environ, "HF_HOME": str(work / "hf"), "HF_HUB_OFFLINE": "1"}
             cmd = [str(exe), "profile", "--model", model, "--url", url, "--endpoint-type", "chat"]
@@ -118,6 +152,12 @@ def main() -> None:
                 print(done.stderr[-4000:], file=sys.stderr)
                 raise SystemExit(f"aiperf exited {done.returncode}")
             ours = metrics(url)
+        print(stats_line("slice", slice_requests(work / "slice.jsonl", args.block_size)))
+        print(stats_line("recorded", read_mooncake(recorded)))
+        if args.keep is not None:
+            args.keep.mkdir(parents=True, exist_ok=True)
+            for name in ("slice.jsonl", "recorded.jsonl"):
+                (args.keep / name).write_bytes((work / name).read_bytes())
     print(f"slice: {ideal}")
     for key in sorted(ours):
         if any(k in key for k in ("requests_total", "prompt_tokens", "cached_tokens", "generation_tokens")):

@@ -15,9 +15,11 @@ against SimPy 4.
 3. With `--memory`: peak RSS (ru_maxrss) and wall time of the 1x trace and of a 10x
    concatenation of it (copies shifted in time and in block ids, so no copy shares a page with
    another; built in a temp dir), each in a fresh process, replayed in memory (`build_workload`,
-   records kept) and as a stream (`stream_workload`, records written to a CSV as they end);
-   the two must give the same summary. `--l3-tokens N` caps the shared L3 (unbounded by
-   default, and then it holds every page the trace ever had: the part that still grows).
+   records kept) and as `hicache sim run` streams it (`run_streamed`: the trace read a request
+   at a time, requests.csv written in order as requests end); the two must give the same
+   summary. `--l3-tokens N` caps the shared L3 (unbounded by default, and then it holds every
+   page the trace ever had, 11-21 bytes each: what still grows, besides the tally's few
+   numbers per request).
 
     .venv/bin/python bench/replay_bench.py [--trace PATH] [--repeat 3] [--json OUT]
     .venv/bin/python bench/replay_bench.py --memory [--copies 10] [--l3-tokens N] [--json OUT]
@@ -36,11 +38,11 @@ from pathlib import Path
 
 import simpy
 
-from hicache.results import RequestsCsvStream
-from hicache.scenarios.build import build_workload, stream_workload
+from hicache.scenarios.build import build_workload
 from hicache.scenarios.scenario import load_scenario
 from hicache.sim.cluster import Cluster
 from hicache.sim.engine import EventLoop
+from hicache.sim.runner import run_streamed
 from hicache.sim.setup import setups
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -93,11 +95,9 @@ def memory_child(trace: Path, mode: str, l3_tokens: int) -> dict:
     scenario = load_scenario(SCENARIO, sets)
     setup = setups(scenario)["l1_l2_l3"]
     start = time.perf_counter()
-    if mode == "stream":
-        with tempfile.TemporaryDirectory() as tmp, RequestsCsvStream(Path(tmp) / "requests.csv") as out:
-            result = Cluster(setup).run(
-                stream_workload(scenario), on_record=lambda r: out.write("l1_l2_l3", r)
-            )
+    if mode == "stream":  # as `hicache sim run` replays a streamable trace
+        with tempfile.TemporaryDirectory() as tmp:
+            result = run_streamed(scenario, Path(tmp) / "requests.csv")[0]["l1_l2_l3"]
     else:
         result = Cluster(setup).run(build_workload(scenario))
     wall = time.perf_counter() - start

@@ -363,6 +363,14 @@ SENSITIVITY: list[tuple[str, list[str]]] = [
         "P->D 0.6, L3 1 GB/s, 4 cl.",
         ["hardware.network_bandwidth=0.075e9", "workload.conversations=4", "storage.bandwidth=1e9"],
     ),
+    # One connection per transfer capped at 0.6 GB/s beside the shared 200 GB/s link (the rate
+    # the PR's no-cache TTFT slope implies), all 32 clients.
+    ("0.6 GB/s per transfer", ["hardware.transfer_rate=0.6e9"]),
+    ("KV sent after prefill", ["cluster.layerwise_transfer=false"]),
+    (
+        "0.6 GB/s/transfer, after",
+        ["hardware.transfer_rate=0.6e9", "cluster.layerwise_transfer=false"],
+    ),
     ("think 10 s", ["workload.think_time=10.0"]),
     ("8 x H800", ['hardware.gpu="h800"']),
     ("MFU 0.35", ["hardware.efficiency=0.35"]),
@@ -508,27 +516,47 @@ def prefill_break_even(costs: NodeCosts, host_bw: float, latency: float, prefix:
 
 
 def adaptive_break_even(
-    costs: NodeCosts, net_bw: float, host_bw: float, net_lat: float, l3_lat: float, prompt: int, prefix: int
+    costs: NodeCosts,
+    net_bw: float,
+    host_bw: float,
+    net_lat: float,
+    l3_lat: float,
+    prompt: int,
+    prefix: int,
+    groups: int = 0,
 ) -> float:
     """The decode node's `adaptive` promise keeps an L3 span of X bytes (`prefix` tokens) when its
-    restore, l3_latency + X/B + X/H, fits within the overlap window: prefill computing the
-    prompt plus the transfer of all of it, prefill(prompt) + network_latency + prompt/N. The B
-    at which both are equal."""
+    restore, l3_latency + X/B + X/H, fits within the overlap window: the time the transfer of
+    the whole prompt takes to land, network_latency + P + T after prefill (P) when sent once it
+    is done, network_latency + max(P/G + T, P + T/G) when streamed in G layer groups during it
+    (T = prompt/N). The B at which both are equal."""
     kvb = costs.model.kv_bytes_per_token
     x = prefix * kvb
-    left = costs.prefill_seconds(prompt) + net_lat + prompt * kvb / net_bw - l3_lat - x / host_bw
+    prefill, transfer = costs.prefill_seconds(prompt), prompt * kvb / net_bw
+    window = max(prefill / groups + transfer, prefill + transfer / groups) if groups else prefill + transfer
+    left = net_lat + window - l3_lat - x / host_bw
     return x / left if left > 0 else math.inf
 
 
 def eager_crossing(
-    costs: NodeCosts, net_bw: float, host_bw: float, l3_lat: float, prompt: int, prefix: int
+    costs: NodeCosts,
+    net_bw: float,
+    host_bw: float,
+    l3_lat: float,
+    prompt: int,
+    prefix: int,
+    groups: int = 0,
 ) -> float:
     """The L3 bandwidth below which eager restore makes TTFT worse than no decode cache, to first
     order: the restore (query, read, load-back) overlaps prefill's compute and the increment's
-    transfer, so it only delays the request once it outlasts prefill + the whole transfer."""
+    transfer, so it only delays the request once it outlasts what no decode cache waits for:
+    prefill + the whole transfer, or with the transfer streamed in `groups` layer groups during
+    prefill, the longer of the two plus one group."""
     kvb = costs.model.kv_bytes_per_token
     x = prefix * kvb
-    budget = costs.prefill_seconds(prompt) + prompt * kvb / net_bw - 2 * l3_lat - x / host_bw
+    prefill, transfer = costs.prefill_seconds(prompt), prompt * kvb / net_bw
+    wait = max(prefill, transfer) + transfer / groups if groups else prefill + transfer
+    budget = wait - 2 * l3_lat - x / host_bw
     return x / budget if budget > 0 else math.inf
 
 
@@ -621,10 +649,11 @@ def study_break_even(args: argparse.Namespace) -> dict[str, Any]:
     prompt = PREFIX + dict(sc0.workload.params)["question_tokens"][0]
     ad_rows = []
     adaptive_closed = {}
+    groups = (s0.transfer_groups or s0.costs.model.layers) if s0.layerwise_transfer else 0
     for per_gpu in (1e9, 2e9, 12.5e9, 25e9, 50e9):
         net = 8 * per_gpu
         b = adaptive_break_even(
-            s0.costs, net, s0.host_bandwidth, s0.network_latency, s0.storage_latency, prompt, PREFIX
+            s0.costs, net, s0.host_bandwidth, s0.network_latency, s0.storage_latency, prompt, PREFIX, groups
         )
         adaptive_closed[net] = b
         ad_rows.append(
@@ -633,11 +662,12 @@ def study_break_even(args: argparse.Namespace) -> dict[str, Any]:
     print_table(
         ["P->D GB/s", "host link GB/s", "adaptive restores above (GB/s)"],
         ad_rows,
-        f"decode side: adaptive restores L3 when it fits within prefill + the whole transfer, "
+        "decode side: adaptive restores L3 when it fits within the time the whole prompt's "
+        f"transfer takes to land ({f'streamed in {groups} layer groups' if groups else 'after prefill'}), "
         f"8K prefix of a {prompt}-token prompt, 8 x A800 (PCIe 4)",
     )
     cross = eager_crossing(
-        s0.costs, s0.network_bandwidth, s0.host_bandwidth, s0.storage_latency, prompt, PREFIX
+        s0.costs, s0.network_bandwidth, s0.host_bandwidth, s0.storage_latency, prompt, PREFIX, groups
     )
     closed["adaptive_by_network"] = adaptive_closed
     closed["scenario"] = {
@@ -650,6 +680,7 @@ def study_break_even(args: argparse.Namespace) -> dict[str, Any]:
             s0.storage_latency,
             prompt,
             PREFIX,
+            groups,
         ),
         "eager_crossing": cross,
         "prefill_seconds_prompt": s0.costs.prefill_seconds(prompt),

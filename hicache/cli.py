@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
+import attrs
+
+from hicache.arg_types import directory, float_above, int_in
+from hicache.core.config import DecodeConfig
 from hicache.core.errors import PolicyError
+from hicache.core.router import ROUTERS
 from hicache.faults import FaultSpec
+from hicache.runtime import cache_flags
 from hicache.scenarios import __file__ as _scenarios_init
 from hicache.scenarios.scenario import ScenarioError, load_scenario
 from hicache.scenarios.trace_stats import trace_stats
@@ -30,38 +35,6 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
-def int_in(low: int, high: int | None = None) -> Callable[[str], int]:
-    """An argparse `type`: an integer in [low, high] (no upper bound when `high` is None)."""
-    want = f"an integer >= {low}" if high is None else f"an integer in {low}..{high}"
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {want}, got {text!r}") from None
-        if value < low or high is not None and value > high:
-            raise argparse.ArgumentTypeError(f"expected {want}, got {text!r}")
-        return value
-
-    return parse
-
-
-def float_above(low: float, *, inclusive: bool = False) -> Callable[[str], float]:
-    """An argparse `type`: a finite number > low (>= low when `inclusive`)."""
-    want = f"a finite number {'>=' if inclusive else '>'} {low:g}"
-
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {want}, got {text!r}") from None
-        if not math.isfinite(value) or value < low or value == low and not inclusive:
-            raise argparse.ArgumentTypeError(f"expected {want}, got {text!r}")
-        return value
-
-    return parse
 
 
 PORT = int_in(0, 65535)  # 0: the system picks a free port (the node prints it when ready)
@@ -105,14 +78,6 @@ def host_port(text: str) -> tuple[str, int]:
         return parse(text)  # [::1]:4464 too
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def directory(text: str) -> Path:
-    """An argparse `type`: a folder, created later where it does not exist yet; never a file."""
-    path = Path(text)
-    if path.exists() and not path.is_dir():
-        raise argparse.ArgumentTypeError(f"expected a directory, got {text!r}, which exists and is not one")
-    return path
 
 
 def _add_set(parser: argparse.ArgumentParser) -> None:
@@ -200,6 +165,38 @@ def _add_sim_studies(sim: argparse._SubParsersAction) -> None:
     capacity.add_argument("--quiet", action="store_true", help="no line per simulated scale")
 
 
+def _add_sim_twin(sim: argparse._SubParsersAction) -> None:
+    """`sim twin`: replay a recorded trace on the recorded node's configuration."""
+    twin = sim.add_parser(
+        "twin",
+        help="replay a trace recorded by `hicache serve --record-trace` and compare with what it measured",
+        description="Builds the scenario from the recording's header (model geometry, page size, L1/L2, "
+        "policies, storage, nodes), fits the cost model to the recorded TTFT and TPOT, replays the requests "
+        "(closed-loop where sessions are known) and prints predicted against measured: cached tokens per "
+        "tier, hit rate, mean and p90 TTFT, TPOT. With --set, the same recording is replayed again with "
+        "the overrides (a what-if) and the change is printed beside the baseline.",
+    )
+    twin.add_argument("trace", type=Path, help="a .jsonl trace recorded by `hicache serve --record-trace`")
+    twin.add_argument("--out", type=Path, default=None, help="write summary.json and requests.csv here")
+    twin.add_argument(
+        "--no-calibrate",
+        action="store_true",
+        help="take the costs from the node's own settings in the header instead of fitting them",
+    )
+    _add_set(twin)
+
+
+def run_twin(args: argparse.Namespace) -> int:
+    from hicache.sim import twin
+
+    result = twin.twin(args.trace, args.overrides, calibrate=not args.no_calibrate)
+    print(twin.report(result))
+    if args.out is not None:
+        for path in twin.write_outputs(args.out, result):
+            print(f"wrote {path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="hicache", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -221,13 +218,16 @@ def build_parser() -> argparse.ArgumentParser:
         "run",
         help="replay a scenario's workload through each of its baselines",
         description="Writes DIR/summary.json, DIR/requests.csv and PNG plots (TTFT CDF, cached tokens by "
-        "tier, bytes over the P->D link).",
+        "tier, bytes over the P->D link). An open-loop Mooncake .jsonl trace with one tenant is read a "
+        "request at a time and requests.csv written as requests end, so memory does not grow with the "
+        "trace; the files are the same as a replay held in memory writes.",
     )
     run.add_argument("scenario", type=Path, help="a scenario file (TOML)")
     run.add_argument("--out", type=Path, default=None, help="results folder (default out/<scenario name>)")
     run.add_argument("--quiet", action="store_true", help="no progress bars")
     _add_set(run)
     _add_sim_studies(sim)
+    _add_sim_twin(sim)
     node = sub.add_parser("node", help="run one runtime node (a process)").add_subparsers(
         dest="node_command", required=True
     )
@@ -288,6 +288,58 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="write HOST:PORT here (atomically) once listening, for decode nodes' --prefill-file",
     )
+    cache = prefill.add_argument_group("the prefill cache (a prompt computes only what it does not hold)")
+    cache.add_argument(
+        "--cache-bytes",
+        type=int_in(0),
+        default=512 << 20,
+        metavar="BYTES",
+        help="KV this node keeps of the prompts it computed or read (its L1, evicted LRU; default "
+        "536870912; 0: no cache, every prompt computed in full)",
+    )
+    cache.add_argument(
+        "--cache-host-bytes",
+        type=int_in(0),
+        default=0,
+        metavar="BYTES",
+        help="more KV behind L1 (an L2, written through; default 0: none)",
+    )
+    cache.add_argument(
+        "--storage-dir",
+        type=directory,
+        default=None,
+        help="the decode nodes' L3 folder (its pages are checked with their key): pages they stored are read "
+        "instead of computed when that is faster (default: no L3)",
+    )
+    cache.add_argument(
+        "--l3-read-bytes-per-s",
+        type=float_above(0),
+        default=1e9,
+        metavar="B/S",
+        help="first estimate of the L3 read speed (default 1e9), refined by the reads the node times",
+    )
+    cache.add_argument(
+        "--compute-tokens-per-s",
+        type=float_above(0),
+        default=2e3,
+        metavar="TOK/S",
+        help="first estimate of the prompt compute speed (default 2000), refined by the forwards "
+        "the node times",
+    )
+    cache.add_argument(
+        "--fixed-speeds",
+        action="store_true",
+        help="keep the two estimates above as given instead of refining them from measurements",
+    )
+    prefill.add_argument(
+        "--layer-groups",
+        type=int_in(0, 4096),
+        default=4,
+        metavar="G",
+        help="send a prompt's KV in G layer groups while it is computed, one WRITE each with the "
+        "notification on the last, so the transfer overlaps prefill (SGLang streams by layer); 0: "
+        "once prefill is done (default 4)",
+    )
     where = decode.add_mutually_exclusive_group(required=True)
     where.add_argument(
         "--prefill",
@@ -310,52 +362,16 @@ def build_parser() -> argparse.ArgumentParser:
         help='TOML of API keys -> tenant and admin (docs/reliability.md, "Tenants"); without it any '
         "client may name its tenant and run admin operations",
     )
-    decode.add_argument(
-        "--transfer-retries",
-        type=int_in(0),
-        default=6,
-        help="retries of a failed prefill transfer (default 6: with the backoff, about 6-11 s, "
-        "which spans a prefill restart)",
-    )
-    decode.add_argument(
-        "--transfer-backoff",
-        type=float_above(0, inclusive=True),
-        default=0.2,
-        metavar="SECONDS",
-        help="delay before the first retry, doubling per retry, jittered to 50-100%% (default 0.2)",
-    )
-    decode.add_argument(
-        "--transfer-backoff-max",
-        type=float_above(0, inclusive=True),
-        default=5.0,
-        metavar="SECONDS",
-        help="longest delay between two retries (default 5)",
-    )
-    decode.add_argument(
-        "--storage-dir", type=directory, default=None, help="L3 file store (default: in memory)"
-    )
-    decode.add_argument("--l1-pages", type=int_in(1), default=1024)
-    decode.add_argument("--l2-pages", type=int_in(0), default=2048)
-    decode.add_argument("--tick-interval", type=float_above(0), default=0.002, help="seconds")
-    for name in ("promise", "prefetch-policy", "write-policy", "eviction", "retract-policy"):
-        decode.add_argument(f"--{name}", default=None)
-    decode.add_argument("--prefetch-threshold-tokens", type=int_in(0), default=None)
-    decode.add_argument("--decode-reserve-tokens", type=int_in(0), default=None)
-    decode.add_argument(
-        "--max-running",
-        type=int_in(0),
-        default=None,
-        help="requests in the decode batch at once (0: no limit)",
-    )
-    decode.add_argument("--no-storage", action="store_true", help="no L3 at all")
-    decode.add_argument(
+    cache_flags.add_flags(decode)
+    tp = decode.add_argument_group("tensor parallelism")
+    tp.add_argument(
         "--tp-size",
         type=int_in(1),
         default=1,
         help="tensor-parallel ranks, one process each (rank 0 starts the others and serves clients); "
-        "the model's KV heads must be a multiple of it",
+        "the model's KV heads must be a multiple of it (SGLang's name) (default: 1)",
     )
-    decode.add_argument(
+    tp.add_argument(
         "--collective-timeout",
         type=float_above(0),
         default=5.0,
@@ -363,21 +379,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --tp-size > 1: a rank that does not join a collective within this ends the node "
         "(default 5)",
     )
-    decode.add_argument(
+    tp.add_argument(
         "--command-log",
         type=Path,
         default=None,
         metavar="DIR",
         help="write every command each rank's core emits to DIR/rank<R>.log (for comparing ranks)",
     )
-    decode.add_argument("--tp-rank", type=int_in(0), default=0, help=argparse.SUPPRESS)
-    decode.add_argument("--tp-store", type=host_port, default=None, help=argparse.SUPPRESS)
-    decode.add_argument(
-        "--no-decode-cache",
-        action="store_true",
-        help="no decode-side cache at all: every prompt's KV comes from prefill (the baseline); "
-        "implies --no-storage and --l2-pages 0",
-    )
+    tp.add_argument("--tp-rank", type=int_in(0), default=0, help=argparse.SUPPRESS)
+    tp.add_argument("--tp-store", type=host_port, default=None, help=argparse.SUPPRESS)
     decode.add_argument(
         "--faults",
         default=None,
@@ -404,29 +414,45 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--engine", choices=["nixl", "tcp"], default="tcp", help="the P->D transfer engine")
     serve.add_argument("--page-size", type=int_in(1), default=16, help="tokens per page")
     serve.add_argument(
-        "--l1-pages", type=int_in(1), default=1024, help="decode GPU pool pages (default 1024)"
-    )
-    serve.add_argument(
-        "--l2-pages", type=int_in(0), default=2048, help="host-memory pool pages (default 2048)"
-    )
-    serve.add_argument(
-        "--storage-dir", type=directory, default=None, help="L3 file store (default: in memory)"
-    )
-    serve.add_argument(
         "--max-tokens", type=int_in(1), default=32768, help="prompt + output tokens per request"
     )
     serve.add_argument("--api-keys", type=Path, default=None, metavar="FILE", help="clients' API keys (TOML)")
     serve.add_argument(
-        "--no-decode-cache", action="store_true", help="the baseline: every prompt's KV comes from prefill"
-    )
-    serve.add_argument(
-        "--decode", type=host_port, default=None, metavar="HOST:PORT", help="attach to this decode node"
+        "--decode",
+        type=host_port,
+        action="append",
+        default=[],
+        metavar="HOST:PORT",
+        help="attach to this decode node, started elsewhere (repeat for several: the router chooses)",
     )
     serve.add_argument(
         "--decode-api-key", default=None, help="an admin key of the --decode node, if it has keys"
     )
     serve.add_argument(
-        "--prefill", type=host_port, default=None, metavar="HOST:PORT", help="use this prefill node"
+        "--prefill",
+        type=host_port,
+        action="append",
+        default=[],
+        metavar="HOST:PORT",
+        help="use this prefill node instead of starting one (repeat for several)",
+    )
+    serve.add_argument(
+        "--prefill-nodes", type=int_in(1, 64), default=1, metavar="N", help="prefill nodes to start"
+    )
+    serve.add_argument(
+        "--decode-nodes",
+        type=int_in(1, 64),
+        default=1,
+        metavar="N",
+        help="decode nodes to start (default 1); decode node i uses prefill node i mod the prefill nodes",
+    )
+    serve.add_argument(
+        "--router",
+        choices=ROUTERS,
+        default="cache_aware",
+        help="which decode node serves a request, with several (default cache_aware: the node holding "
+        "the longest prefix of the prompt unless that unbalances the load, as SGLang's router; "
+        "session_affinity keys on OpenAI's `user` or SGLang's `session_params.id`)",
     )
     serve.add_argument(
         "--log-dir", type=Path, default=None, help="the nodes' stderr (default: a temporary folder)"
@@ -441,6 +467,31 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="write the model's tokenizer as a Hugging Face folder to DIR and exit",
     )
+    serve.add_argument(
+        "--record-trace",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="record the requests served into FILE, a new Mooncake trace (.jsonl) without their text: "
+        "a header line with the node's configuration, then one line per request as it finishes",
+    )
+    serve.add_argument(
+        "--record-trace-dir",
+        type=directory,
+        default=None,
+        metavar="DIR",
+        help="where POST /start_trace_recording may write traces (default: the folder of --record-trace; "
+        "without either, recording cannot be started)",
+    )
+    serve.add_argument(
+        "--record-block-size",
+        type=int_in(1, 1 << 20),
+        default=512,
+        metavar="TOKENS",
+        help="tokens per hash id in a recorded trace (default 512, Mooncake's; the page size lets "
+        "`hicache sim twin` see every page requests share)",
+    )
+    cache_flags.add_flags(serve)  # passed on to the decode node started here
     run = sub.add_parser(
         "run",
         help="replay a scenario on real nodes (--runtime): a prefill and a decode process on loopback",
@@ -506,21 +557,36 @@ def run_trace_stats(args: argparse.Namespace) -> int:
 
 def run_sim(scenario_path: Path, overrides: list[str], out: Path | None, *, progress: bool) -> int:
     # The simulator is imported here so that `hicache trace stats` stays quick to start.
-    from hicache.scenarios.build import build_workload
-    from hicache.sim.runner import check_out, run_baselines, table, write_outputs
+    from hicache.scenarios.build import build_workload, why_not_streamed
+    from hicache.sim.runner import (
+        check_out,
+        count_workload,
+        run_baselines,
+        run_streamed,
+        table,
+        write_outputs,
+    )
 
     scenario = load_scenario(scenario_path, overrides)
-    items = build_workload(scenario)
+    # A trace that can be read a request at a time is, so that memory does not grow with it.
+    if why_not_streamed(scenario) is None:
+        items = None
+        n, prompt = count_workload(scenario)
+    else:
+        items = build_workload(scenario)
+        n, prompt = len(items), sum(i.prompt_len for i in items)
     out = check_out(out or Path("out") / scenario.name)  # a bad folder is told before simulating
-    prompt = sum(i.prompt_len for i in items)
     print(
-        f"scenario {scenario.name}: {len(items):,} requests, {prompt:,} prompt tokens; "
+        f"scenario {scenario.name}: {n:,} requests, {prompt:,} prompt tokens; "
         f"baselines {', '.join(scenario.run.baselines)}",
         flush=True,
     )
-    results = run_baselines(scenario, items, progress=progress)
+    if items is None:
+        results, outcomes = run_streamed(scenario, out / "requests.csv", total=n, progress=progress)
+    else:
+        results, outcomes = run_baselines(scenario, items, progress=progress), None
     print(table(results))
-    paths = write_outputs(out, scenario, results)
+    paths = write_outputs(out, scenario, results, outcomes)
     print("wrote " + ", ".join(str(p) for p in paths))
     return 0
 
@@ -608,36 +674,10 @@ def run_capacity(args: argparse.Namespace) -> int:
     return 0
 
 
-def _decode_config(args: argparse.Namespace):
-    from hicache.core.config import DecodeConfig
-
-    policy = {
-        key: getattr(args, key)
-        for key in (
-            "promise",
-            "prefetch_policy",
-            "write_policy",
-            "eviction",
-            "retract_policy",
-            "prefetch_threshold_tokens",
-            "decode_reserve_tokens",
-            "max_running",
-        )
-        if getattr(args, key) is not None
-    }
-    off = args.no_decode_cache
-    return DecodeConfig(
-        l1_pages=args.l1_pages,
-        l2_pages=0 if off else args.l2_pages,
-        page_size=args.page_size,
-        storage=not (args.no_storage or off),
-        radix=not off,
-        transfer_retries=args.transfer_retries,
-        transfer_backoff_s=args.transfer_backoff,
-        transfer_backoff_max_s=args.transfer_backoff_max,
-        tp_size=getattr(args, "tp_size", 1),
-        **policy,
-    )
+def _decode_config(args: argparse.Namespace) -> DecodeConfig:
+    config = cache_flags.decode_config(args)
+    tp_size = getattr(args, "tp_size", 1)
+    return attrs.evolve(config, tp_size=tp_size) if tp_size != config.tp_size else config
 
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -672,6 +712,13 @@ def run_node(args: argparse.Namespace) -> int:
                 _limits(args),
                 args.secret_file,
                 args.address_file,
+                cache_bytes=args.cache_bytes,
+                cache_host_bytes=args.cache_host_bytes,
+                storage_dir=args.storage_dir,
+                speeds=nodes.Speeds(
+                    args.l3_read_bytes_per_s, args.compute_tokens_per_s, measure=not args.fixed_speeds
+                ),
+                layer_groups=args.layer_groups,
             )
             return nodes.main_prefill(opts)
         return nodes.main_decode(_decode_options(args, model))
@@ -688,14 +735,22 @@ def _decode_options(args: argparse.Namespace, model: TinyConfig | str) -> Decode
         prefill = PrefillAddress(fixed=args.prefill)
     else:
         prefill = PrefillAddress(file=args.prefill_file)
+    try:
+        storage_backend, storage_dir = cache_flags.storage_kind(args)
+        config = _decode_config(args)
+    except cache_flags.SettingsError as exc:
+        raise nodes.StartupError(str(exc)) from None
     return nodes.DecodeOptions(
         prefill,
-        _decode_config(args),
+        config,
         port=args.port,
         host=args.host,
         engine=args.engine,
         model=model,
-        storage_dir=args.storage_dir,
+        storage_dir=storage_dir,
+        storage_capacity=args.storage_capacity,
+        storage_backend="nixl" if storage_backend == "nixl" else "file",
+        l2_gigabytes=cache_flags.l2_gigabytes(args),
         tick_interval=args.tick_interval,
         faults=FaultSpec.from_arg(args.faults) if args.faults else None,
         mmap_threshold=args.mmap_threshold,
@@ -762,6 +817,24 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"wrote the tokenizer of {args.model} to {out}")
         return 0
     _logging(args.log_level)
+    passed_on = cache_flags.forwarded(args)
+    if args.decode and passed_on:
+        print(
+            f"hicache serve: {passed_on[0]}: sets the decode node started here, but --decode attaches "
+            "to one running with its own settings",
+            file=sys.stderr,
+        )
+        return 2
+    clash = (
+        "--decode: attaches to running decode nodes; --prefill, --prefill-nodes and --decode-nodes start them"
+        if args.decode and (args.prefill or args.prefill_nodes != 1 or args.decode_nodes != 1)
+        else "--prefill-nodes: starts prefill nodes, but --prefill names running ones"
+        if args.prefill and args.prefill_nodes != 1
+        else None
+    )
+    if clash is not None:
+        print(f"hicache serve: {clash}", file=sys.stderr)
+        return 2
     opts = ServeOptions(
         log_level=args.log_level,
         model=args.model,
@@ -769,16 +842,19 @@ def run_serve(args: argparse.Namespace) -> int:
         port=args.port,
         engine=args.engine,
         page_size=args.page_size,
-        l1_pages=args.l1_pages,
-        l2_pages=args.l2_pages,
-        storage_dir=args.storage_dir,
-        decode=args.decode,
-        prefill=args.prefill,
+        decode=tuple(args.decode),
+        prefill=tuple(args.prefill),
+        prefill_nodes=args.prefill_nodes,
+        decode_nodes=args.decode_nodes,
+        router=args.router,
         decode_api_key=args.decode_api_key,
         api_keys=args.api_keys,
         max_tokens=args.max_tokens,
         log_dir=args.log_dir,
-        extra_decode_args=("--no-decode-cache",) if args.no_decode_cache else (),
+        extra_decode_args=tuple(passed_on),
+        record_trace=args.record_trace,
+        record_trace_dir=args.record_trace_dir,
+        record_block_size=args.record_block_size,
     )
     try:
         return main(opts)
@@ -803,6 +879,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return run_report(args)
             if args.sim_command == "capacity":
                 return run_capacity(args)
+            if args.sim_command == "twin":
+                return run_twin(args)
             return run_sim(args.scenario, args.overrides, args.out, progress=not args.quiet)
         if args.command == "trace":
             return run_trace_stats(args)

@@ -185,9 +185,9 @@ class RunTally:
 
 
 class RequestsCsvStream:
-    """`requests.csv` written a row at a time, as requests complete (so in completion order,
-    where `write_requests_csv` writes them sorted): nothing is held but the file. The file
-    appears under its name only on `close()`."""
+    """`requests.csv` written a row at a time, in the order the caller gives (`write_requests_csv`
+    writes them sorted): nothing is held but the file. The file appears under its name only on
+    `close()`; leaving its `with` block on an exception removes what was written."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -211,18 +211,15 @@ class RequestsCsvStream:
             self.close()
         else:
             self._file.close()
+            self._tmp.unlink(missing_ok=True)
 
 
 def write_requests_csv(path: Path, runs: Iterable[tuple[str, Sequence[RequestRecord]]]) -> None:
     """One row per request and run; the `run` column names the baseline or policy."""
-    tmp = path.with_suffix(".csv.tmp")
-    with tmp.open("w", newline="", encoding="utf-8") as f:
-        w = csv.writer(f)
-        w.writerow(["run", *FIELDS])
+    with RequestsCsvStream(path) as out:
         for label, records in runs:
             for r in records:
-                w.writerow([label, *(_cell(getattr(r, name)) for name in FIELDS)])
-    tmp.replace(path)
+                out.write(label, r)
 
 
 def _cell(value: object) -> object:

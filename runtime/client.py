@@ -186,6 +186,13 @@ class DecodeClient:
                 f"(it stopped or restarted; the outcome is unknown): {exc or type(exc).__name__}"
             ) from None
 
+    async def peek(self, tokens: list[int], tenant: str | None = None) -> int:
+        """Pages of `tokens` the node holds in L1 or L2 (for the tenant), counting no access."""
+        msg: dict[str, Any] = {"op": "peek", "tokens": tokens}
+        if tenant is not None:
+            msg["tenant"] = tenant
+        return int((await self.call(msg))[0]["pages"])
+
     async def evict(self, l1: int = 1 << 40, l2: int = 0) -> None:
         await self.call({"op": "evict", "l1": l1, "l2": l2})
 
@@ -194,6 +201,11 @@ class DecodeClient:
 
     async def stats(self) -> dict[str, Any]:
         return (await self.call({"op": "stats"}))[0]
+
+    async def config(self) -> dict[str, Any]:
+        """The node's settings (admin): `model`, `config` (its `DecodeConfig`), `layout`, `storage`."""
+        reply = (await self.call({"op": "config"}))[0]
+        return {k: v for k, v in reply.items() if k != "op"}
 
     async def aclose(self) -> None:
         await self.stream.aclose()

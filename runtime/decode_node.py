@@ -144,6 +144,7 @@ class _Live:
     seq: int = 0  # TP: its place in arrival order, the same on every rank
     duplicate: bool = False  # TP: the core refused its arrival (an id still in use)
     ranks: list[dict[str, Any]] = attrs.Factory(list)  # TP, rank 0: ranks 1..'s page reports
+    prefill_cached: dict[str, int] | None = None  # prompt tokens prefill had cached, by tier
 
     @property
     def tokens(self) -> list[int]:
@@ -451,6 +452,11 @@ class DecodeService:
             )
         if op in ("evict", "idle", "stats", "audit") and not who.admin:
             raise protocol.MessageError(f"message {op!r}: needs an admin API key")
+        if op == "peek":  # how much of a prompt this node holds: a cache-aware router asks
+            tokens = protocol.int_list(msg, "tokens", high=self.model.config.vocab)
+            seed = namespace_seed(self.model_name, self._tenant(msg, who))
+            keys = page_keys(np.asarray(tokens, dtype=np.int64), self.cfg.page_size, seed).tolist()
+            return {"op": "peek", "pages": self.core.cached_pages(keys), "page_size": self.cfg.page_size}, b""
         if op == "evict":
             l1 = protocol.int_field(msg, "l1") if "l1" in msg else 1 << 40
             l2 = protocol.int_field(msg, "l2") if "l2" in msg else 0
@@ -472,6 +478,22 @@ class DecodeService:
                 others = await self.rounds.ask("audit")
                 reply["ranks"] = [self.audit(), *(others[r] for r in sorted(others))]
             return reply, b""
+        if op == "config":  # what this node runs with: a front door records it with a trace
+            if not who.admin:
+                raise protocol.MessageError("message 'config': needs an admin API key")
+            store = getattr(self.store, "inner", self.store)  # the real store under injected faults
+            capacity = getattr(store, "capacity_bytes", None)
+            return {
+                "op": "config",
+                "model": self.model_name,
+                "config": {k: getattr(v, "value", v) for k, v in attrs.asdict(self.cfg).items()},
+                "layout": {**attrs.asdict(self.layout), "page_bytes": self.layout.page_bytes},
+                "storage": {
+                    "kind": type(store).__name__ if self.cfg.storage else None,
+                    "capacity_bytes": capacity or None,
+                    "capacity_pages": getattr(store, "capacity_pages", None) or None,
+                },
+            }, b""
         return {"op": "error", "reason": f"unknown op {protocol.show(op)}"}, b""
 
     def gauges(self) -> dict[str, int]:
@@ -504,6 +526,25 @@ class DecodeService:
             out["faults_caught"] = dict(sorted(self.faults.caught.items()))
         return out
 
+    def _tenant(self, msg: dict[str, Any], who: Principal) -> str | None:
+        """Whose namespace a message acts in: its API key's; an admin key (a front door) may name
+        the tenant it acts for; only a node without keys lets any client name it."""
+        op = msg["op"]
+        tenant = protocol.text(msg, "tenant") if msg.get("tenant") is not None else None
+        if tenant is not None and len(tenant) > MAX_TENANT_CHARS:
+            raise protocol.MessageError(
+                f"message {op!r}: field 'tenant' is over {MAX_TENANT_CHARS} characters"
+            )
+        if self.api_keys is not None and not who.admin:
+            if tenant is not None and tenant != who.tenant:
+                raise protocol.MessageError(
+                    f"message {op!r}: field 'tenant' differs from the tenant of this connection's API key"
+                )
+            tenant = who.tenant
+        elif self.api_keys is not None and tenant is None:
+            tenant = who.tenant
+        return tenant
+
     async def _generate(
         self,
         msg: dict[str, Any],
@@ -529,19 +570,7 @@ class DecodeService:
                 f"message 'generate': {len(prompt)} prompt tokens + max_new {max_new} is over this "
                 f"node's limit of {cap} tokens per request (--max-tokens)"
             )
-        tenant = protocol.text(msg, "tenant") if msg.get("tenant") is not None else None
-        if tenant is not None and len(tenant) > MAX_TENANT_CHARS:
-            raise protocol.MessageError(
-                f"message 'generate': field 'tenant' is over {MAX_TENANT_CHARS} characters"
-            )
-        if self.api_keys is not None and not who.admin:  # an admin (a front door) acts for tenants
-            if tenant is not None and tenant != who.tenant:
-                raise protocol.MessageError(
-                    "message 'generate': field 'tenant' differs from the tenant of this connection's API key"
-                )
-            tenant = who.tenant
-        elif self.api_keys is not None and tenant is None:
-            tenant = who.tenant
+        tenant = self._tenant(msg, who)
         verify = protocol.field(msg, "verify", bool) if msg.get("verify") is not None else False
         streaming = protocol.field(msg, "stream", bool) if msg.get("stream") is not None else False
         sampling = check_sampling(msg.get("sampling"), self.model.config.vocab)
@@ -591,6 +620,7 @@ class DecodeService:
             "account": live.account,
             "start_pages": live.start_pages,
             "final_pages": live.final_pages,
+            "prefill_cached": live.prefill_cached or {},
         }
         if self.tp is not None:  # each rank's pages hold its heads: the ledger checks them per rank
             reply["tp_ranks"] = [
@@ -858,6 +888,8 @@ class DecodeService:
             self._feed(ev.KVFailed(self._now(), c.req, c.transfer, reason))
             return
         self.moved["transfer_bytes"] += len(dst) * self.layout.page_bytes
+        if live.prefill_cached is None:  # the request's first prefill, not a fallback's
+            live.prefill_cached = _cached_tokens(reply.get("cached"))
         for j, digest in enumerate(reply["digests"]):
             live.received[c.start // page + j] = digest
         if not live.gen:
@@ -1200,3 +1232,14 @@ class DecodeService:
             for live, scratch, token in zip(part, self._scratch, tokens, strict=False):
                 if live.running:
                     self._advance(live, scratch, token)
+
+
+def _cached_tokens(value: object) -> dict[str, int]:
+    """A `kv` reply's `cached` field (tokens per prefill tier) as far as it makes sense."""
+    if not isinstance(value, dict):
+        return {}
+    return {
+        k: v
+        for k, v in value.items()
+        if k in ("l1", "l2", "l3") and isinstance(v, int) and not isinstance(v, bool) and v >= 0
+    }

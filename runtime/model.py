@@ -463,12 +463,18 @@ class LlamaModel:
     # -- the forward pass, written once ---------------------------------------------------------
 
     def _run(
-        self, tokens: torch.Tensor, positions: torch.Tensor, kv: _ContiguousKV | _PagedKV, last: torch.Tensor
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        kv: _ContiguousKV | _PagedKV,
+        last: torch.Tensor,
+        on_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
         """Logits of rows `last` of the flat batch `tokens` (each at its position in `positions`).
 
         Every row's K/V goes to `kv.store`; every row attends through `kv.attend`. At the last
-        layer only rows `last` go on (nothing after the last K/V needs the others).
+        layer only rows `last` go on (nothing after the last K/V needs the others). `on_layer(i)`
+        is called once layer i's K/V is stored (prefill ships it from there, layer by layer).
         """
         cfg, w = self.config, self.weights
         q_width, kv_width = cfg.q_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
@@ -483,6 +489,8 @@ class LlamaModel:
             q, k, v = qkv.split((q_width, kv_width, kv_width), dim=1)
             k = _apply_rope(k.reshape(n, cfg.kv_heads, cfg.head_dim), cos, sin)
             kv.store(index, k, v.reshape(n, cfg.kv_heads, cfg.head_dim))
+            if on_layer is not None:
+                on_layer(index)
             rows = None
             if index == cfg.layers - 1 and last.shape[0] < n:
                 rows = last
@@ -603,6 +611,7 @@ class LlamaModel:
         page_tables: Sequence[Sequence[int]],
         starts: Sequence[int],
         tokens: Sequence[Sequence[int]],
+        on_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
         """One batched forward over several requests whose K/V lives in `pool`'s pages.
 
@@ -616,7 +625,7 @@ class LlamaModel:
         counts = [len(t) for t in lists]
         kv = _PagedKV(pool, tables, first, counts)
         flat = torch.tensor([t for row in lists for t in row], dtype=torch.int64)
-        return self._run(flat, kv.positions, kv, kv.last_rows())
+        return self._run(flat, kv.positions, kv, kv.last_rows(), on_layer)
 
     def decode_batch(
         self,
@@ -633,14 +642,19 @@ class LlamaModel:
         return self.forward_paged(pool, page_tables, positions, [[t] for t in list(tokens)])
 
     def prefill_into(
-        self, pool: torch.Tensor, page_table: Sequence[int], start: int, tokens: Sequence[int] | torch.Tensor
+        self,
+        pool: torch.Tensor,
+        page_table: Sequence[int],
+        start: int,
+        tokens: Sequence[int] | torch.Tensor,
+        on_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
         """K/V of `tokens` at positions `start ..` (attending to positions `0 .. start-1` already
         in `page_table`'s pages) written into those pages; returns the last token's logits
-        `(vocab,)`. Only the increment is computed."""
+        `(vocab,)`. Only the increment is computed; `on_layer(i)` hears each layer stored."""
         if isinstance(tokens, torch.Tensor):
             tokens = tokens.tolist()
-        return self.forward_paged(pool, [page_table], [start], [tokens])[0]
+        return self.forward_paged(pool, [page_table], [start], [tokens], on_layer)[0]
 
     def _check_paged(
         self,

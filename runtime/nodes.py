@@ -42,10 +42,11 @@ from hicache.runtime.malloc_tuning import DEFAULT_MMAP_THRESHOLD, pin_mmap_thres
 from hicache.runtime.model import LlamaConfig, LlamaModel, TinyConfig, TinyModel
 from hicache.runtime.peer_auth import AuthError
 from hicache.runtime.prefill_address import PrefillAddress, advertised, write
-from hicache.runtime.prefill_node import PrefillNode
+from hicache.runtime.prefill_cache import DEFAULT_CACHE_BYTES, Speeds
+from hicache.runtime.prefill_node import DEFAULT_LAYER_GROUPS, PrefillNode
 from hicache.runtime.storage.file_store import FileStore
 from hicache.runtime.storage.memory_store import MemoryStore
-from hicache.runtime.tp_group import TPFailure, TPGroup, storage_for
+from hicache.runtime.tp_group import TPFailure, TPGroup
 from hicache.runtime.tp_model import check_split, shard_model
 from hicache.runtime.transfer.base import TransferEngine
 from hicache.runtime.transfer.tcp import TcpEngine
@@ -116,12 +117,13 @@ def build_model(spec: ModelSpec) -> tuple[LlamaModel, str]:
     return loaded.model, f"{config.name or loaded.source.name}:{config.weights[:16]}"
 
 
-def make_engine(kind: str, name: str, secret: ClusterSecret) -> TransferEngine:
-    """The transfer engine `kind`; `name` gets a random suffix, since peers that still know a
+def make_engine(kind: str, name: str, secret: ClusterSecret, host: str = "127.0.0.1") -> TransferEngine:
+    """The transfer engine `kind`, listening on the node's `--host` and advertising an address
+    peers can dial (`advertised`); `name` gets a random suffix, since peers that still know a
     stopped node's engine refuse to rebind its name to a new address."""
     name = f"{name}-{secrets.token_hex(3)}"
     if kind == "tcp":
-        return TcpEngine(name=name, secret=secret)
+        return TcpEngine(host, name=name, secret=secret, advertise=advertised(host))
     if kind == "nixl":
         try:
             from hicache.runtime.transfer.nixl_engine import NixlEngine
@@ -144,6 +146,11 @@ class PrefillOptions:
     limits: Limits = Limits()
     secret_file: Path | None = None  # None: HICACHE_CLUSTER_SECRET, else the default file
     address_file: Path | None = None  # rewritten with HOST:PORT once the node listens
+    cache_bytes: int = DEFAULT_CACHE_BYTES  # the prefill cache's L1; 0: none
+    cache_host_bytes: int = 0  # its L2 behind L1; 0: none
+    storage_dir: Path | None = None  # the decode nodes' L3 folder, read by the prefill cache
+    speeds: Speeds = Speeds()  # L3 reads vs computing: first estimates (refined when measuring)
+    layer_groups: int = DEFAULT_LAYER_GROUPS  # KV leaves in this many layer groups; 0: after prefill
 
 
 @attrs.frozen
@@ -155,6 +162,9 @@ class DecodeOptions:
     engine: str = "tcp"
     model: ModelSpec = TinyConfig()
     storage_dir: Path | None = None  # None: an in-memory L3
+    storage_capacity: int = 0  # bytes of L3 pages; 0: unbounded (a file store joins its folder's)
+    storage_backend: str = "file"  # with storage_dir: "file", or "nixl" (NIXL's POSIX backend)
+    l2_gigabytes: float = 0.0  # > 0: L2 sized to this many GB once a page's bytes are known
     tick_interval: float = 0.002
     faults: FaultSpec | None = None  # injected into the node's own operations
     mmap_threshold: int = DEFAULT_MMAP_THRESHOLD  # 0: leave glibc's adaptive threshold
@@ -191,34 +201,50 @@ async def _until_signal(cancel: trio.CancelScope) -> None:
 
 async def run_prefill(opts: PrefillOptions) -> None:
     secret = _secret(opts.secret_file)
-    engine = make_engine(opts.engine, f"prefill-{opts.engine}-{os.getpid()}", secret)
+    engine = make_engine(opts.engine, f"prefill-{opts.engine}-{os.getpid()}", secret, opts.host)
     model, _ = build_model(opts.model)
-    async with engine, trio.open_nursery() as nursery:
-        node = PrefillNode(
-            model,
-            layout_for(model.config, opts.page_size),
-            engine,
-            staging_pages=opts.staging_pages,
-            limits=opts.limits,
-            secret=secret,
-        )
-        nursery.start_soon(_until_signal, nursery.cancel_scope)
+    layout = layout_for(model.config, opts.page_size)
+    store = None
+    if opts.storage_dir is not None:  # as the decode nodes open it: same files, same MAC key
         try:
-            listeners = await nursery.start(functools.partial(node.serve, opts.port, host=opts.host))
-        except BaseException as exc:
-            err = sole(exc)
-            if not isinstance(err, OSError):
-                raise
-            raise StartupError(_cannot_listen(opts.host, opts.port, err)) from err
-        port = listeners[0].socket.getsockname()[1]
-        if opts.address_file is not None:
+            store = FileStore(opts.storage_dir, layout)
+        except OSError as exc:
+            raise StartupError(f"--storage-dir {opts.storage_dir}: cannot use it ({why(exc)})") from exc
+    try:
+        async with engine, trio.open_nursery() as nursery:
+            node = PrefillNode(
+                model,
+                layout,
+                engine,
+                staging_pages=opts.staging_pages,
+                cache_bytes=opts.cache_bytes,
+                cache_host_bytes=opts.cache_host_bytes,
+                store=store,
+                speeds=attrs.evolve(opts.speeds),  # the node's running estimate is its own
+                limits=opts.limits,
+                secret=secret,
+                layer_groups=opts.layer_groups,
+            )
+            nursery.start_soon(_until_signal, nursery.cancel_scope)
             try:
-                write(opts.address_file, advertised(opts.host), port)
-            except OSError as exc:
-                raise StartupError(
-                    f"--address-file {opts.address_file}: cannot write it ({why(exc)})"
-                ) from exc
-        _ready({"node": "prefill", "port": port, "engine": engine.name})
+                listeners = await nursery.start(functools.partial(node.serve, opts.port, host=opts.host))
+            except BaseException as exc:
+                err = sole(exc)
+                if not isinstance(err, OSError):
+                    raise
+                raise StartupError(_cannot_listen(opts.host, opts.port, err)) from err
+            port = listeners[0].socket.getsockname()[1]
+            if opts.address_file is not None:
+                try:
+                    write(opts.address_file, advertised(opts.host), port)
+                except OSError as exc:
+                    raise StartupError(
+                        f"--address-file {opts.address_file}: cannot write it ({why(exc)})"
+                    ) from exc
+            _ready({"node": "prefill", "port": port, "engine": engine.name})
+    finally:
+        if store is not None:
+            await store.aclose()
 
 
 def _cannot_listen(host: str, port: int, exc: OSError) -> str:
@@ -298,13 +324,27 @@ async def _run_decode(opts: DecodeOptions, model: LlamaModel, model_name: str, g
     if group is not None:
         model = shard_model(model, rank, group.size, group.all_reduce_sum)
     layout = layout_for(model.config, opts.core.page_size)
+    core = opts.core
+    if opts.l2_gigabytes > 0:  # --hicache-size: GB of host memory, in this model's pages
+        core = attrs.evolve(core, l2_pages=int(opts.l2_gigabytes * 1e9 // layout.page_bytes))
+    capacity, tp_size = opts.storage_capacity, opts.core.tp_size
+    files = FileStore
+    if opts.storage_backend == "nixl":
+        try:
+            from hicache.runtime.storage.nixl_store import NixlFileStore
+        except ImportError as exc:
+            raise StartupError(f"--hicache-storage-backend nixl: {exc}") from exc
+        files = NixlFileStore
     try:
-        storage_dir = (
-            None if opts.storage_dir is None else storage_for(opts.storage_dir, rank, opts.core.tp_size)
+        store = (  # with TP ranks, each rank its own shard (`FileStore`'s rank and tp_size)
+            files(opts.storage_dir, layout, capacity_bytes=capacity or None, rank=rank, tp_size=tp_size)
+            if opts.storage_dir is not None
+            else MemoryStore(layout, capacity_pages=max(1, capacity // layout.page_bytes) if capacity else 0)
         )
-        store = FileStore(storage_dir, layout) if storage_dir is not None else MemoryStore(layout)
     except OSError as exc:  # not a folder, not writable
         raise StartupError(f"--storage-dir {opts.storage_dir}: cannot use it ({why(exc)})") from exc
+    except (ImportError, RuntimeError) as exc:  # NIXL missing, or its POSIX backend refused
+        raise StartupError(f"--hicache-storage-backend {opts.storage_backend}: {exc}") from exc
     if opts.faults is not None:
         FaultyStore.check(opts.faults, store)  # before anything starts: a bad spec exits with its reason
     secret = _secret(opts.secret_file)
@@ -315,14 +355,14 @@ async def _run_decode(opts: DecodeOptions, model: LlamaModel, model_name: str, g
     if rank == 0:
         await _check_listen(opts.host, opts.port)
     # A restarted decode node must not reuse its predecessor's agent name: peers still know it.
-    engine = make_engine(opts.engine, f"decode-{opts.engine}-{os.getpid()}", secret)
+    engine = make_engine(opts.engine, f"decode-{opts.engine}-{os.getpid()}", secret, opts.host)
     log_file = None
     if opts.command_log is not None:
         opts.command_log.mkdir(parents=True, exist_ok=True)
         log_file = (opts.command_log / f"rank{rank}.log").open("w")
     async with engine, trio.open_nursery() as nursery:
         service = DecodeService(
-            opts.core,
+            core,
             model,
             layout,
             store,

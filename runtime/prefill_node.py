@@ -4,9 +4,10 @@ asks for straight into that node's L1 pool over the transfer engine.
 A decode node connects, proves that it holds the cluster secret (`runtime/peer_auth.py`; the
 prefill node proves it too), says hello with its engine's `local_info()`, then sends
 `kv` requests: tokens, the range [start, end) it lacks, and the L1 pages to write them to. The
-prefill node computes (or reuses, for a fallback range of a prompt it just computed) the KV,
-stages the pages, posts one WRITE with the notification `kv:<transfer>`, and answers with the
-first output token and the digests of the pages it sent.
+prefill node computes the KV its own cache (`prefill_cache`: L1, L2, and the shared L3) does
+not hold, stages the pages, posts one WRITE with the notification `kv:<transfer>`, and answers
+with the first output token, the digests of the pages it sent, and how many prompt tokens it
+had cached (`cached`: per tier).
 
 A decode node that gives up on a transfer sends `cancel` (on any of its connections): the
 transfer is cancelled, its WRITE settled (`TransferEngine.settle`: nothing more of it moves),
@@ -26,12 +27,10 @@ frame or an idle connection may take (`runtime/limits.py`).
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Sequence
-from typing import Any
 
 import attrs
 import numpy as np
@@ -44,10 +43,19 @@ from hicache.runtime.kv_digest import page_digests
 from hicache.runtime.kv_layout import KVLayout
 from hicache.runtime.kv_pool import KVPool
 from hicache.runtime.limits import Gate, Limits, peer_name
-from hicache.runtime.model import LlamaModel, to_pages
+from hicache.runtime.model import LlamaModel
+from hicache.runtime.prefill_cache import (
+    DEFAULT_CACHE_BYTES,
+    LayerGroups,
+    PrefillCache,
+    Prefilled,
+    Speeds,
+    compute_all,
+)
 from hicache.runtime.sampling_fields import check_sampling, draw
+from hicache.runtime.storage.base import StorageBackend
 from hicache.runtime.tp_kv import head_parts, heads_field
-from hicache.runtime.transfer.base import TransferEngine, XferState
+from hicache.runtime.transfer.base import MemoryRegion, Span, TransferEngine, XferHandle, XferState
 
 
 class _PageAllocator:
@@ -76,22 +84,10 @@ class _PageAllocator:
 
 log = logging.getLogger("hicache.runtime.prefill")
 
+# Layer groups a transfer leaves in while prefill computes them (0: once prefill is done).
+DEFAULT_LAYER_GROUPS = 4
 SETTLE_TIMEOUT_S = 30.0  # how long a reply waits for its WRITE to settle before giving up on it
 CANCELLED_MEMORY = 4096  # cancels of transfers not yet seen, remembered per node
-
-
-@attrs.frozen(eq=False)
-class _Memo:
-    """A remembered prompt: its namespace, tokens, KV and last logits."""
-
-    namespace: int
-    ids: np.ndarray
-    kv: torch.Tensor
-    logits: torch.Tensor
-
-    @property
-    def nbytes(self) -> int:
-        return self.kv.numel() * self.kv.element_size()
 
 
 @attrs.define(eq=False)
@@ -110,14 +106,21 @@ class PrefillNode:
         engine: TransferEngine,
         *,
         staging_pages: int = 1024,
-        remember: int = 32,
-        remember_bytes: int = 512 << 20,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
+        cache_host_bytes: int = 0,
+        store: StorageBackend | None = None,
+        speeds: Speeds | None = None,
         transfer_timeout: float = 30.0,
         limits: Limits | None = None,
         secret: ClusterSecret | None = None,
+        layer_groups: int = DEFAULT_LAYER_GROUPS,
     ) -> None:
         """`limits` bound what the decode nodes (any peer) connected to this node may hold;
-        `secret` (default: `ClusterSecret.load()`) is what each of them must prove it holds."""
+        `secret` (default: `ClusterSecret.load()`) is what each of them must prove it holds.
+        `cache_bytes` of KV (L1; 0: no cache), `cache_host_bytes` more behind it (L2), and L3
+        (`store`, the decode nodes' shared store) make the prefill cache (`prefill_cache`).
+        `layer_groups` > 0: KV leaves in that many layer groups while prefill computes them
+        (a span WRITE each, the notification with the last); 0: once prefill is done."""
         self.model = model
         self.layout = layout
         self.engine = engine
@@ -126,17 +129,31 @@ class PrefillNode:
         self._parts = head_parts(self.staging, engine)  # TP: pages of 1/d of the heads
         self.pages = _PageAllocator(staging_pages)
         self.transfer_timeout = transfer_timeout
+        if layer_groups < 0:
+            raise ValueError(f"layer_groups: expected >= 0, got {layer_groups}")
+        self.layer_groups = layer_groups
+        self.streamed = 0  # transfers sent in layer groups while prefill computed them
         self.gate = Gate(limits if limits is not None else Limits(), log)
         self.secret = secret if secret is not None else ClusterSecret.load()
         self._peer_connections: dict[str, int] = {}  # engine name -> its live control connections
-        self._remember = remember
-        self._remember_bytes = remember_bytes
-        self._recent: OrderedDict[bytes, _Memo] = OrderedDict()
-        self._recent_bytes = 0
-        self.reused_tokens = 0  # prompt tokens whose KV came from a remembered prompt
         self._compute = trio.CapacityLimiter(1)
+        l1_pages = cache_bytes // layout.page_bytes
+        self.cache = (
+            PrefillCache(
+                model,
+                layout,
+                l1_pages,
+                l2_pages=cache_host_bytes // layout.page_bytes,
+                store=store,
+                speeds=speeds,
+                limiter=self._compute,
+            )
+            if l1_pages > 0
+            else None
+        )
+        self.reused_tokens = 0  # prompt tokens whose KV came from the cache (L1, L2 or L3)
         self.computed_tokens = 0
-        self.requests = 0
+        self.requests = 0  # prompts that computed more than their last token
         self.cancelled = 0
         self._in_flight: dict[tuple[str, int], _InFlight] = {}
         self._cancelled_early: deque[tuple[str, int]] = deque(maxlen=CANCELLED_MEMORY)
@@ -328,9 +345,14 @@ class PrefillNode:
                 raise ValueError(f"{len(dst)} destination pages for pages {first_page}..{last_page - 1}")
             sampling = check_sampling(msg.get("sampling"), self.model.config.vocab)
             heads = heads_field(msg, self.layout.kv_heads)
-            kv, first_token = await self._kv(tokens, namespace, sampling)
-            digests = await self._send(kv, first_page, last_page, peer, dst, f"kv:{tid}".encode(), heads)
-            reply.update(ok=True, first_token=first_token, digests=digests)
+            notif = f"kv:{tid}".encode()
+            done, digests = await self._prefill_and_send(
+                tokens, namespace, first_page, last_page, peer, dst, notif, heads
+            )
+            # The first token is drawn here as the decode node draws the rest (`sampling_fields`).
+            (first_token,) = draw(done.logits[None, :], [sampling], [len(tokens)])
+            cached = {"l1": done.l1, "l2": done.l2, "l3": done.l3}
+            reply.update(ok=True, first_token=first_token, digests=digests, cached=cached)
         except protocol.MessageError as exc:  # a bad field: the reason names it
             reply.update(ok=False, reason=str(exc))
         except Exception as exc:  # answered, not raised: the decode node falls back or fails the request
@@ -340,101 +362,114 @@ class PrefillNode:
         await self._answer(stream, lock, peer, reply)
 
     async def _kv(
-        self, tokens: Sequence[int], namespace: int, sampling: dict[str, Any]
-    ) -> tuple[torch.Tensor, int]:
-        """The prompt's KV (all of it: attention needs every earlier token) and its first output.
-
-        Recent prompts are remembered per namespace (model and tenant, `namespace_seed`), up to
-        `remember_bytes` of KV: a prompt that extends a remembered one (the next turn of a
-        conversation) computes only its new tokens. A tenant never reuses another tenant's
-        work, so the memo is no timing channel between tenants."""
+        self, tokens: Sequence[int], namespace: int, first: int, last: int, stream: LayerGroups | None = None
+    ) -> Prefilled:
+        """The prompt's pages [first, last) and last logits, computing only what the cache
+        (`prefill_cache`) does not hold. The cache is keyed by the namespace (model and tenant,
+        `namespace_seed`): a tenant never reuses another tenant's work, so it is no timing
+        channel between tenants."""
         ids = np.asarray(tokens, dtype=np.int64)
-        key = hashlib.blake2b(ids.tobytes(), digest_size=16, salt=namespace.to_bytes(8, "little")).digest()
-        hit = self._recent.get(key)
-        if hit is not None:
-            self._recent.move_to_end(key)
-            kv, logits = hit.kv, hit.logits
+        if self.cache is None:
+            done = await compute_all(self.model, ids, self.layout.page_size, first, last, self._compute)
         else:
-            past, start = self._longest_prefix(namespace, ids)
-            tensor = torch.tensor(ids[start:], dtype=torch.int64)
-            new, logits = await trio.to_thread.run_sync(
-                self.model.forward, tensor, past, limiter=self._compute
-            )
-            kv = new if past is None else torch.cat((past, new), dim=2)
-            self.computed_tokens += len(ids) - start
-            self.reused_tokens += start
-            self.requests += 1
-            self._remember_prompt(key, _Memo(namespace, ids, kv, logits))
-        # The first token is drawn here as the decode node draws the rest (`sampling_fields`).
-        (first,) = draw(logits[None, :], [sampling], [len(tokens)])
-        return kv, first
+            done = await self.cache.prefill(ids, namespace, first, last, stream)
+        computed = len(ids) - done.cached
+        self.computed_tokens += computed
+        self.reused_tokens += done.cached
+        self.requests += computed > 1
+        return done
 
-    def _longest_prefix(self, namespace: int, ids: np.ndarray) -> tuple[torch.Tensor | None, int]:
-        """The KV of the longest remembered prompt of `namespace` that `ids` extends."""
-        best: _Memo | None = None
-        for memo in self._recent.values():
-            n = len(memo.ids)
-            if (
-                memo.namespace == namespace
-                and n < len(ids)
-                and (best is None or n > len(best.ids))
-                and np.array_equal(memo.ids, ids[:n])
-            ):
-                best = memo
-        return (None, 0) if best is None else (best.kv, len(best.ids))
-
-    def _remember_prompt(self, key: bytes, memo: _Memo) -> None:
-        self._recent[key] = memo
-        self._recent_bytes += memo.nbytes
-        while self._recent and (
-            self._recent_bytes > self._remember_bytes or len(self._recent) > self._remember
-        ):
-            _, old = self._recent.popitem(last=False)
-            self._recent_bytes -= old.nbytes
-
-    async def _send(
+    async def _prefill_and_send(
         self,
-        kv: torch.Tensor,
+        tokens: Sequence[int],
+        namespace: int,
         first: int,
         last: int,
         peer: str,
         dst: list[int],
         notif: bytes,
         heads: tuple[int, int] | None = None,
-    ) -> list[str]:
-        """Stage and WRITE pages [first, last) of `kv`; with `heads` (a TP rank's [lo, hi)),
-        only those heads of each page, staged as the first part of a staging page."""
-        region, staging, per = self.region, self.staging.data, 1
+    ) -> tuple[Prefilled, list[str]]:
+        """Prefill the prompt and WRITE pages [first, last) into `dst` at `peer`: layer group by
+        layer group while prefill computes them (`layer_groups`), else once it is done. Each
+        WRITE is posted once the one before is done, and the notification rides on the last,
+        so the decode node hears of the transfer only when every byte is there. With `heads`
+        (a TP rank's [lo, hi)), only those heads of each page, staged as the first part of a
+        staging page. Returns the prefill and the digests of the pages sent. Every WRITE has
+        settled (nothing of it moves) when this returns or raises, so staging pages and the
+        decode node's pages are free."""
+        region, staging, per, part = self.region, self.staging.data, 1, slice(None)
         if heads is not None:
             per = self.layout.kv_heads // (heads[1] - heads[0])
-            kv = kv[:, :, :, heads[0] : heads[1]]
             region, staging = self._parts[per]
-        pages = to_pages(kv, self.layout.page_size)[first:last]
+            part = slice(heads[0], heads[1])
         slots = await self.pages.take(len(dst))
         parts = [s * per for s in slots]  # staging page s holds parts s*per .. s*per+per-1
-        settled = True
+        idx = torch.tensor(parts, dtype=torch.int64)
+        layers = self.layout.layers
+        ready_send, ready = trio.open_memory_channel[tuple[int, int]](math.inf)
+        token = trio.lowlevel.current_trio_token()
+
+        def deliver(lo: int, hi: int, pages: torch.Tensor) -> None:  # on the compute thread
+            staging[idx, lo:hi] = pages[:, :, :, :, part].to(staging.dtype)
+            trio.from_thread.run_sync(ready_send.send_nowait, (lo, hi), trio_token=token)
+
+        stream = None
+        if self.layer_groups and slots and self.cache is not None:
+            stream = LayerGroups(layers, self.layer_groups, deliver)
+        unsettled: list[XferHandle] = []
         try:
-            if slots:
-                staging[torch.tensor(parts)] = pages.to(staging.dtype)
-            digests = page_digests(staging[torch.tensor(parts, dtype=torch.int64)]) if slots else []
-            handle = await self.engine.post("WRITE", region, parts, peer, "L1", dst, notif)
-            try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._ship, ready, region, parts, peer, dst, notif, unsettled)
+                with ready_send:
+                    done = await self._kv(tokens, namespace, first, last, stream)
+                    if stream is None or stream.sent == 0:  # not streamed: the pages at once
+                        if slots:
+                            staging[idx] = done.pages[:, :, :, :, part].to(staging.dtype)
+                        ready_send.send_nowait((0, layers))
+                    else:
+                        self.streamed += 1
+            return done, page_digests(staging[idx]) if slots else []
+        finally:
+            with trio.CancelScope(shield=True):
+                if await self._settle(unsettled, notif):  # else a WRITE may still read them
+                    await self.pages.give(slots)
+
+    async def _ship(
+        self,
+        ready: trio.MemoryReceiveChannel[tuple[int, int]],
+        region: MemoryRegion,
+        parts: list[int],
+        peer: str,
+        dst: list[int],
+        notif: bytes,
+        unsettled: list[XferHandle],
+    ) -> None:
+        """WRITE each layer group [lo, hi) of the staged pages (`parts` of `region`) as it
+        becomes ready, one at a time; the last carries the notification."""
+        layers = self.layout.layers
+        layer_bytes = region.page_bytes // layers
+        async with ready:
+            async for lo, hi in ready:
+                whole = (lo, hi) == (0, layers)
+                span = None if whole else Span(lo * layer_bytes, (hi - lo) * layer_bytes)
+                handle = await self.engine.post(
+                    "WRITE", region, parts, peer, "L1", dst, notif, span=span, final=hi == layers
+                )
+                unsettled.append(handle)
                 state = await self.engine.wait(handle, timeout=self.transfer_timeout)
                 if state is not XferState.DONE:
                     raise RuntimeError(f"transfer {state}: {self.engine.reason(handle)}")
-            finally:
-                # Also when cancelled: the answer (or the `cancelled`) waits until nothing moves.
-                with trio.CancelScope(shield=True), trio.move_on_after(SETTLE_TIMEOUT_S) as waited:
-                    await self.engine.settle(handle)
-                settled = not waited.cancelled_caught
-                if not settled:
-                    log.error(
-                        "%r did not settle in %s s; its staging pages stay out of use",
-                        notif,
-                        SETTLE_TIMEOUT_S,
-                    )
-            return digests
-        finally:
-            if settled:  # else the WRITE may still read them: keep them out of use
-                with trio.CancelScope(shield=True):
-                    await self.pages.give(slots)
+
+    async def _settle(self, handles: list[XferHandle], notif: bytes) -> bool:
+        """Settle every WRITE posted (also when cancelled); False if one did not in time."""
+        settled = True
+        for handle in handles:
+            with trio.move_on_after(SETTLE_TIMEOUT_S) as waited:
+                await self.engine.settle(handle)
+            if waited.cancelled_caught:
+                settled = False
+                log.error(
+                    "%r did not settle in %s s; its staging pages stay out of use", notif, SETTLE_TIMEOUT_S
+                )
+        return settled

@@ -183,7 +183,7 @@ class Replayer:
             transferred_tokens=int(a.get("transferred", 0)),
             promised_tokens=int(reply.get("promised_tokens") or 0),
             fallback_tokens=int(a.get("fallback", 0)),
-            prefill_cached_tokens=0,
+            prefill_cached_tokens=sum((reply.get("prefill_cached") or {}).values()),
             pd_transfer_bytes=float(a.get("transferred", 0) * self.token_bytes),
             retractions=int(a.get("retractions", 0)),
         )

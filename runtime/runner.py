@@ -20,6 +20,7 @@ import trio
 from tqdm import tqdm
 
 from hicache.results import format_table, summarize, write_requests_csv, write_summary_json
+from hicache.runtime import cache_flags
 from hicache.runtime.client import DecodeClient
 from hicache.runtime.launch import NodeFailed, NodeProcess, start_node
 from hicache.runtime.model import TinyConfig, TinyModel
@@ -35,30 +36,33 @@ DEFAULT_L1_TOKENS = 65_536  # when the scenario leaves L1 to be derived from a G
 
 
 def node_args(scenario: Scenario, engine: str, storage_dir: Path, prefill_port: int) -> list[str]:
-    """The decode node's command line for a scenario's cache section."""
-    c = scenario.cache
-    page = c.page_size
-    l1_tokens = c.l1_tokens or DEFAULT_L1_TOKENS
-    l1 = l1_tokens // page
-    l2 = c.l2_tokens_for(l1 * page) // page
+    """The decode node's command line for a scenario: every cache, storage and transfer setting
+    it states (`cache_flags.scenario_flags`), its faults, and where its L3 and prefill are."""
+    l1_tokens = scenario.cache.l1_tokens or DEFAULT_L1_TOKENS
+    token_bytes = layout_for(TinyModel(TinyConfig()).config, scenario.cache.page_size).token_bytes
     return [
         "decode",
         "--engine", engine,
         "--prefill", f"127.0.0.1:{prefill_port}",
-        "--page-size", str(page),
-        "--l1-pages", str(l1),
-        "--l2-pages", str(l2),
+        *cache_flags.scenario_flags(scenario, l1_tokens, token_bytes),
         "--storage-dir", str(storage_dir),
-        "--promise", c.promise,
-        "--prefetch-policy", c.prefetch_policy,
-        "--write-policy", c.write_policy,
-        "--eviction", c.eviction,
-        "--retract-policy", c.retract_policy,
-        "--prefetch-threshold-tokens", str(c.prefetch_threshold_tokens),
-        "--decode-reserve-tokens", str(c.decode_reserve_tokens),
-        "--max-running", str(scenario.cluster.max_running),
-        "--tick-interval", str(scenario.cluster.tick_interval),
     ] + (["--faults", scenario.faults.to_arg()] if scenario.faults is not None else [])  # fmt: skip
+
+
+def prefill_args(scenario: Scenario, engine: str, storage_dir: Path) -> list[str]:
+    """The prefill node's command line: with `cluster.prefill_cache` it keeps its own cache and
+    reads the L3 the decode node writes when that beats computing, as the simulator's prefill
+    nodes do, weighing the read at the scenario's storage bandwidth (fixed, as the decode node's
+    estimates are); without, no cache."""
+    cl = scenario.cluster
+    # KV leaves by layer group during prefill, as the simulator streams it (0: the model's layers).
+    groups = (cl.transfer_groups or cache_flags.MAX_LAYER_GROUPS) if cl.layerwise_transfer else 0
+    args = ["prefill", "--engine", engine, "--page-size", str(scenario.cache.page_size)]
+    args += ["--layer-groups", str(groups)]
+    if not scenario.cluster.prefill_cache:
+        return [*args, "--cache-bytes", "0"]
+    speed = ["--l3-read-bytes-per-s", repr(float(scenario.storage.bandwidth)), "--fixed-speeds"]
+    return [*args, "--storage-dir", str(storage_dir), *speed]
 
 
 async def decode_audit(port: int) -> dict:
@@ -204,9 +208,7 @@ def _run(
         decode: NodeProcess | None = None
         with trio.CancelScope() as scope, _sigint_cancels(scope, run):
             try:
-                prefill = await start_node(
-                    ["prefill", "--engine", engine, "--page-size", str(page)], out / "logs", "prefill"
-                )
+                prefill = await start_node(prefill_args(scenario, engine, storage), out / "logs", "prefill")
                 decode = await start_node(
                     node_args(scenario, engine, storage, prefill.port), out / "logs", "decode"
                 )

@@ -25,14 +25,18 @@ from pathlib import Path
 import attrs
 import trio
 
+from hicache.core.router import Router
 from hicache.runtime import protocol
 from hicache.runtime.api_keys import ApiKeys
+from hicache.runtime.client import DecodeClient
 from hicache.runtime.launch import NodeFailed, NodeProcess, start_node
 from hicache.runtime.llm.tokenizer import ChatTokenizer
 from hicache.runtime.serving.app import create_app
 from hicache.runtime.serving.backend import ModelInfo
 from hicache.runtime.serving.node_backend import NodeBackend
+from hicache.runtime.serving.routed_backend import RoutedBackend
 from hicache.runtime.serving.server import serve_http
+from hicache.runtime.serving.trace_recorder import RecordingError, TraceRecorder, config_header
 
 log = logging.getLogger("hicache.runtime.serve")
 
@@ -48,17 +52,20 @@ class ServeOptions:
     port: int = 0
     engine: str = "tcp"
     page_size: int = 16
-    l1_pages: int = 1024
-    l2_pages: int = 2048
-    storage_dir: Path | None = None
-    decode: tuple[str, int] | None = None  # attach to this decode node, start nothing
-    prefill: tuple[str, int] | None = None  # start a decode node attached to this prefill node
+    decode: tuple[tuple[str, int], ...] = ()  # attach to these decode nodes, start nothing
+    prefill: tuple[tuple[str, int], ...] = ()  # start decode nodes attached to these prefill nodes
+    prefill_nodes: int = 1  # prefill processes to start (without `prefill`)
+    decode_nodes: int = 1  # decode processes to start; decode node i uses prefill node i mod P
+    router: str = "cache_aware"  # which decode node serves a request (`hicache.core.router`)
     decode_api_key: str | None = None  # the key the front door uses at an attached decode node
     api_keys: Path | None = None  # the front door's clients
     max_tokens: int = 32768
     log_dir: Path | None = None
     log_level: str = "info"
-    extra_decode_args: tuple[str, ...] = ()
+    extra_decode_args: tuple[str, ...] = ()  # passed on to the decode node started here
+    record_trace: Path | None = None  # record the requests served into this new file from the start
+    record_trace_dir: Path | None = None  # where /start_trace_recording may write (default: its folder)
+    record_block_size: int = 512  # tokens per hash id in a recorded trace (Mooncake's 512)
 
 
 class Codec:
@@ -98,9 +105,10 @@ def load_tokenizer(model: str) -> tuple[ChatTokenizer, str]:
 
 def _node_args(opts: ServeOptions) -> list[str]:
     args = ["--engine", opts.engine, "--page-size", str(opts.page_size), "--model", opts.model]
-    # The two nodes share this machine's cores: a thread of one waiting on a core the other keeps
-    # busy would stall every step of its model at the next barrier.
-    threads = max(1, (os.cpu_count() or 2) // 2)
+    # The nodes share this machine's cores: a thread of one waiting on a core another keeps busy
+    # would stall every step of its model at the next barrier.
+    started = (0 if opts.prefill else opts.prefill_nodes) + opts.decode_nodes
+    threads = max(1, (os.cpu_count() or 2) // max(1, started))
     return [*args, "--log-level", opts.log_level, "--threads", str(threads)]
 
 
@@ -115,68 +123,122 @@ async def serve(opts: ServeOptions, task_status: trio.TaskStatus[dict] = trio.TA
     with tempfile.TemporaryDirectory(prefix="hicache-serve-") as tmp:
         work = Path(tmp)
         logs = opts.log_dir or work / "logs"
+        recorder: TraceRecorder | None = None
         try:
             decode_at, admin_key, prefill_at = await _start_nodes(opts, work, logs, nodes)
-            backend = NodeBackend(decode_at[0], decode_at[1], None, api_key=admin_key)  # type: ignore[arg-type]
-            try:
-                stats = await backend.stats()
-            except (OSError, protocol.ProtocolError) as exc:
-                raise ServeError(f"the decode node at {decode_at[0]}:{decode_at[1]}: {exc}") from exc
-            # A request the node can never hold is the client's error (400), not the node's.
-            limit = min(opts.max_tokens, int(stats.get("max_prompt_tokens", opts.max_tokens)))
-            backend.info = ModelInfo(
+            each = [NodeBackend(h, p, None, api_key=admin_key) for h, p in decode_at]  # type: ignore[arg-type]
+            limit = opts.max_tokens
+            for node in each:
+                try:
+                    stats = await node.stats()
+                except (OSError, protocol.ProtocolError) as exc:
+                    raise ServeError(f"the decode node at {node.host}:{node.port}: {exc}") from exc
+                # A request the node can never hold is the client's error (400), not the node's.
+                limit = min(limit, int(stats.get("max_prompt_tokens", opts.max_tokens)))
+            info = ModelInfo(
                 name=name,
                 max_context_tokens=limit,
                 eos_token_ids=tuple(sorted(tokenizer.eos_token_ids)),
                 vocab_size=tokenizer.vocab_size,
             )
-            app = create_app(backend, Codec(tokenizer), model_name=name, api_keys=keys)
+            for node in each:
+                node.info = info
+            backend: NodeBackend | RoutedBackend = each[0]
+            if len(each) > 1:
+                backend = RoutedBackend(each, Router(opts.router, len(each)))
+            recorder = await _recorder(opts, name, decode_at, admin_key, len(prefill_at) or None)
+            app = create_app(backend, Codec(tokenizer), model_name=name, api_keys=keys, recorder=recorder)
             async with trio.open_nursery() as nursery:
                 port = await nursery.start(serve_http, app, opts.host, opts.port)
                 host = f"[{opts.host}]" if ":" in opts.host else opts.host
                 ready = {
                     "url": f"http://{host}:{port}",
                     "model": name,
-                    "decode": f"{decode_at[0]}:{decode_at[1]}",
-                    "prefill": prefill_at,
+                    "decode": ",".join(f"{h}:{p}" for h, p in decode_at),
+                    "prefill": ",".join(f"{h}:{p}" for h, p in prefill_at) or None,
+                    "router": opts.router if len(each) > 1 else None,
                 }
                 task_status.started(ready)
         finally:
+            if recorder is not None:
+                recorder.stop()
             for node in reversed(nodes):
                 node.stop()
 
 
+async def _recorder(
+    opts: ServeOptions, name: str, decode_at: list[tuple[str, int]], key: str | None, prefill: int | None
+) -> TraceRecorder | None:
+    """The trace recorder `--record-trace`/`--record-trace-dir` ask for, its header holding what
+    each decode node says it runs with; recording from the start with `--record-trace`."""
+    if opts.record_trace is None and opts.record_trace_dir is None:
+        return None
+    configs = [await _node_config(host, port, key) for host, port in decode_at]
+    router = opts.router if len(decode_at) > 1 else None
+    header = config_header(configs, prefill_nodes=prefill, router=router)
+    allowed = opts.record_trace_dir or (opts.record_trace.parent if opts.record_trace else None)
+    if opts.record_trace_dir is not None:
+        try:
+            opts.record_trace_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ServeError(f"--record-trace-dir {opts.record_trace_dir}: {exc.strerror or exc}") from exc
+    recorder = TraceRecorder(name, directory=allowed, header=header, block_size=opts.record_block_size)
+    if opts.record_trace is not None:
+        try:
+            recorder.start(opts.record_trace)
+        except RecordingError as exc:
+            raise ServeError(f"--record-trace: {exc}") from exc
+    return recorder
+
+
+async def _node_config(host: str, port: int, key: str | None) -> dict | None:
+    """A decode node's answer to `config`; None (logged) from one that gives none."""
+    try:
+        client = await DecodeClient.connect(host, port, api_key=key)
+        try:
+            return await client.config()
+        finally:
+            await client.aclose()
+    except (OSError, protocol.ProtocolError) as exc:
+        log.warning(
+            "the decode node at %s:%d did not give its configuration for the trace: %s", host, port, exc
+        )
+        return None
+
+
 async def _start_nodes(
     opts: ServeOptions, work: Path, logs: Path, nodes: list[NodeProcess]
-) -> tuple[tuple[str, int], str | None, str | None]:
-    """(the decode node's address, the admin key to use there, the prefill node's address)."""
-    if opts.decode is not None:
-        return opts.decode, opts.decode_api_key, None
-    if opts.prefill is not None:
-        prefill_at = opts.prefill
-    else:
+) -> tuple[list[tuple[str, int]], str | None, list[tuple[str, int]]]:
+    """(the decode nodes' addresses, the admin key to use there, the prefill nodes' addresses)."""
+    if opts.decode:
+        return list(opts.decode), opts.decode_api_key, []
+    prefill_at = list(opts.prefill)
+    for i in range(0 if opts.prefill else opts.prefill_nodes):
+        name = "prefill" if opts.prefill_nodes == 1 else f"prefill{i}"
         try:
-            prefill = await start_node(["prefill", *_node_args(opts)], logs, "prefill")
+            prefill = await start_node(["prefill", *_node_args(opts)], logs, name)
         except NodeFailed as exc:
-            raise ServeError(f"the prefill node did not start: {exc.reason}") from exc
+            raise ServeError(f"the {name} node did not start: {exc.reason}") from exc
         nodes.append(prefill)
-        prefill_at = ("127.0.0.1", prefill.port)
+        prefill_at.append(("127.0.0.1", prefill.port))
     admin_key = secrets.token_urlsafe(32)
     keys = work / "decode-keys.toml"
     keys.write_text(f'[[key]]\nkey = "{admin_key}"\nadmin = true\n')
     keys.chmod(0o600)
-    args = ["decode", *_node_args(opts), "--prefill", f"{prefill_at[0]}:{prefill_at[1]}"]
-    args += ["--l1-pages", str(opts.l1_pages), "--l2-pages", str(opts.l2_pages), "--api-keys", str(keys)]
-    args += ["--max-tokens", str(opts.max_tokens)]
-    if opts.storage_dir is not None:
-        args += ["--storage-dir", str(opts.storage_dir)]
-    args += list(opts.extra_decode_args)
-    try:
-        decode = await start_node(args, logs, "decode")
-    except NodeFailed as exc:
-        raise ServeError(f"the decode node did not start: {exc.reason}") from exc
-    nodes.append(decode)
-    return ("127.0.0.1", decode.port), admin_key, f"{prefill_at[0]}:{prefill_at[1]}"
+    decode_at = []
+    for i in range(opts.decode_nodes):
+        name = "decode" if opts.decode_nodes == 1 else f"decode{i}"
+        host, port = prefill_at[i % len(prefill_at)]
+        args = ["decode", *_node_args(opts), "--prefill", f"{host}:{port}"]
+        args += ["--api-keys", str(keys), "--max-tokens", str(opts.max_tokens)]
+        args += list(opts.extra_decode_args)  # the cache, storage and transfer flags (`cache_flags`)
+        try:
+            decode = await start_node(args, logs, name)
+        except NodeFailed as exc:
+            raise ServeError(f"the {name} node did not start: {exc.reason}") from exc
+        nodes.append(decode)
+        decode_at.append(("127.0.0.1", decode.port))
+    return decode_at, admin_key, prefill_at
 
 
 def main(opts: ServeOptions) -> int:

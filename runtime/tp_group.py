@@ -29,7 +29,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -46,17 +45,6 @@ QUIET_TORCH = {**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR"}
 
 class TPFailure(Exception):
     """The TP group cannot go on; the message is one line naming the rank and the collective."""
-
-
-def storage_for(base: Path, rank: int, size: int) -> Path:
-    """Where rank `rank` of a `size`-rank node keeps its own shard of L3.
-
-    One place to change once the file store takes a (rank, size) option of its own."""
-    if size == 1:
-        return base
-    path = base / f"tp{size}" / f"rank{rank}"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
 
 
 def _status(code: int) -> str:

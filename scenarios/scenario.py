@@ -24,6 +24,7 @@ import attrs
 
 from hicache.core.config import PREFETCH_POLICIES, PROMISE_POLICIES, RETRACT_POLICIES, DecodeConfig
 from hicache.core.eviction import EVICTION_POLICIES
+from hicache.core.router import ROUTERS
 from hicache.core.write_policy import WritePolicy
 from hicache.faults import SPEC_KEYS, FaultSpec, FaultSpecError
 from hicache.scenarios.generators import VOCAB_MAX, AgenticLoop, SharedPrefix
@@ -37,7 +38,6 @@ GENERATORS: dict[str, type[MultiTurnChat] | type[AgenticLoop] | type[SharedPrefi
 }
 ARRIVALS = ("open", "closed")
 CLOSED_KINDS = ("multiturn", "agentic", "trace")  # the kinds whose requests follow one another
-ROUTERS = ("round_robin", "session_affinity", "cache_aware")
 BASELINES = ("no_decode_cache", "l1", "l1_l2", "l1_l2_l3")
 OVERRIDE_SOURCE = "--set"
 
@@ -257,6 +257,7 @@ class HardwareSpec:
     host_bandwidth: float | None = None  # bytes/s per GPU
     network_bandwidth: float | None = None  # bytes/s per GPU
     network_latency: float | None = None  # s
+    transfer_rate: float | None = None  # bytes/s of one P->D transfer (its connection); None: the link's
     hbm_bandwidth: float | None = None  # bytes/s
     flops: float | None = None  # dense FLOP/s per GPU
 
@@ -285,6 +286,10 @@ class ClusterSpec:
     # 150 us per all-reduce, four per step before sgl-project/sglang#30511 merged them into one.
     hicache_step_overhead: float = 0.0
     tick_interval: float = 0.002
+    # P->D transfers leave layer group by layer group while prefill computes them, as SGLang
+    # streams KV; false: once prefill has ended. transfer_groups = 0: one group per model layer.
+    layerwise_transfer: bool = True
+    transfer_groups: int = 0
 
 
 @attrs.frozen(slots=True)
@@ -394,6 +399,7 @@ _SECTIONS: dict[str, tuple[type, dict[str, Check]]] = {
             "host_bandwidth": _number(0, above=True),
             "network_bandwidth": _number(0, above=True),
             "network_latency": _number(0, above=True),
+            "transfer_rate": _number(0, above=True),
             "hbm_bandwidth": _number(0, above=True),
             "flops": _number(0, above=True),
         },
@@ -413,6 +419,8 @@ _SECTIONS: dict[str, tuple[type, dict[str, Check]]] = {
             "decode_step_overhead": _number(0),
             "hicache_step_overhead": _number(0),
             "tick_interval": _number(0, above=True),
+            "layerwise_transfer": _boolean,
+            "transfer_groups": _integer(0),
         },
     ),
     "cache": (

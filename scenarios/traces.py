@@ -23,6 +23,7 @@ from typing import Any, BinaryIO
 import attrs
 
 MOONCAKE_BLOCK = 512
+TRACE_HEADER = "hicache_trace_header"  # the key of a recorded trace's first line
 # kv-cache-tester ids are local to their file: give each file its own id range.
 _SESSION_ID_STRIDE = 1 << 40
 
@@ -113,6 +114,7 @@ def iter_mooncake(path: str | Path, *, time_scale: float = 1.0) -> Iterator[Trac
     path = Path(path)
     if not time_scale > 0:
         raise TraceError(f"time_scale must be > 0, got {time_scale!r}")
+    block = MOONCAKE_BLOCK
     with path.open("rb") as f:
         for lineno, raw in enumerate(f, 1):
             where = f"{path}:{lineno}"
@@ -122,11 +124,25 @@ def iter_mooncake(path: str | Path, *, time_scale: float = 1.0) -> Iterator[Trac
             obj = _json(line, where, "not a JSON object")
             if not isinstance(obj, dict):
                 raise TraceError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+            if lineno == 1 and TRACE_HEADER in obj:  # a recorded trace's header (`read_trace_header`)
+                block = _int_field(obj, "block_size", where, low=1) if "block_size" in obj else block
+                continue
             ts = _num_field(obj, "timestamp", where)
             n_in = _int_field(obj, "input_length", where, low=1)
             n_out = _int_field(obj, "output_length", where)
-            ids = _block_ids(obj, "hash_ids", where, n_in, MOONCAKE_BLOCK, partial_last=True)
-            yield TraceRequest(ts / 1000.0 * time_scale, n_in, n_out, ids, MOONCAKE_BLOCK)
+            ids = _block_ids(obj, "hash_ids", where, n_in, block, partial_last=True)
+            yield TraceRequest(ts / 1000.0 * time_scale, n_in, n_out, ids, block)
+
+
+def read_trace_header(path: str | Path) -> dict[str, Any] | None:
+    """The header of a Mooncake trace recorded by `hicache serve --record-trace` (its first line,
+    the serving node's configuration), or None when the file has none."""
+    path = Path(path)
+    with path.open("rb") as f:
+        first = f.readline()
+    where = f"{path}:1"
+    obj = _json(_text(first, where), where, "not a JSON object") if first.strip() else None
+    return obj if isinstance(obj, dict) and TRACE_HEADER in obj else None
 
 
 def read_azure_csv(path: str | Path, *, time_scale: float = 1.0) -> list[TraceRequest]:

@@ -13,16 +13,16 @@ import numpy as np
 
 from hicache.core import commands as cmd
 from hicache.core.config import DecodeConfig
+from hicache.core.router import Router
 from hicache.faults import FaultSpec
 from hicache.results import RequestRecord, RunTally, summarize
 from hicache.scenarios.workload import WorkItem
-from hicache.sim.channel import Channel
+from hicache.sim.channel import Channel, lanes_for
 from hicache.sim.costs import NodeCosts
 from hicache.sim.decode import DecodeDriver, LiveRequest
 from hicache.sim.engine import EventLoop
 from hicache.sim.faults import SimFaults
 from hicache.sim.prefill import PrefillJob, PrefillNode
-from hicache.sim.router import Router
 from hicache.sim.sessions import ClosedLoop
 from hicache.sim.store import SharedStore
 
@@ -43,6 +43,13 @@ class ClusterSetup:
     host_latency: float = 10e-6
     network_bandwidth: float = 50e9
     network_latency: float = 5e-6
+    # P->D transfers: each on its own connection capped at `transfer_rate` (bytes/s; None: only
+    # the link caps it); `layerwise_transfer`: streamed layer group by layer group while prefill
+    # computes the KV, in `transfer_groups` groups (0: the model's layer count), else sent once
+    # prefill has ended.
+    transfer_rate: float | None = None
+    layerwise_transfer: bool = True
+    transfer_groups: int = 0
     storage_bandwidth: float = 10e9
     storage_latency: float = 2e-3
     storage_capacity_pages: int = 0
@@ -89,11 +96,17 @@ class Cluster:
                 s.costs,
                 h2d=Channel(f"D{i}.h2d", s.host_bandwidth, s.host_latency),
                 d2h=Channel(f"D{i}.d2h", s.host_bandwidth, s.host_latency),
-                network=Channel(f"D{i}.net", s.network_bandwidth, s.network_latency),
+                network=Channel(
+                    f"D{i}.net",
+                    s.network_bandwidth,
+                    s.network_latency,
+                    lanes=lanes_for(s.network_bandwidth, s.transfer_rate),
+                ),
                 store=store if cfg.storage else None,
                 tick_interval=s.tick_interval,
                 on_response=self._respond,
                 faults=SimFaults(s.faults, i) if s.faults is not None else None,
+                layer_groups=self._layer_groups(),
             )
             for i in range(s.decode_nodes)
         ]
@@ -182,6 +195,13 @@ class Cluster:
                 "utilization": c.busy_time / self.loop.now if self.loop.now > 0 else 0.0,
             }
         return RunResult(self.records, summary, channels)
+
+    def _layer_groups(self) -> int:
+        """Groups a P->D transfer streams in; 0: it waits for prefill to end."""
+        s = self.setup
+        if not s.layerwise_transfer:
+            return 0
+        return s.transfer_groups or s.costs.model.layers
 
     def _channels(self) -> list[Channel]:
         out = [p.host for p in self.prefill]

@@ -4,9 +4,10 @@ The driver owns no cache decision and reads nothing of the core but what its com
 events carry. It feeds the core events (arrivals, scheduler ticks, I/O completions, decode
 progress) through a `Dispatcher`, whose table turns each command into simulated time on the
 node's channels: load-backs on the host->device link, backups on device->host, prefetches and
-stores on the shared storage channel, KV increments on the node's network ingress once the
-prefill node has computed them. With `faults` (`hicache.sim.faults`) an operation may fail, fall
-short or come late, as the runtime's do when faults are injected there.
+stores on the shared storage channel, KV increments on the node's network ingress, layer group by
+layer group while prefill computes them (`layer_groups`) or once it has ended. With `faults`
+(`hicache.sim.faults`) an operation may fail, fall short or come late, as the runtime's do when
+faults are injected there.
 
 The batch limit (`DecodeConfig.max_running`) is the core's: it hands the driver a request
 (`StartDecode`) only when the batch has room, so the driver keeps no waiting queue.
@@ -33,8 +34,8 @@ from hicache.core.dispatch import Dispatcher
 from hicache.sim.channel import Channel, Transfer
 from hicache.sim.costs import NodeCosts, steps_time, steps_within
 from hicache.sim.engine import EventHandle, EventLoop
-from hicache.sim.faults import SimFaults
-from hicache.sim.prefill import PrefillNode
+from hicache.sim.faults import SimFaults, TransferFault
+from hicache.sim.prefill import PrefillJob, PrefillNode
 from hicache.sim.store import SharedStore
 
 
@@ -79,6 +80,7 @@ class DecodeDriver:
         tick_interval: float,
         on_response: Callable[[LiveRequest, cmd.Respond], None],
         faults: SimFaults | None = None,
+        layer_groups: int = 0,
     ) -> None:
         self.index = index
         self.loop = loop
@@ -92,6 +94,7 @@ class DecodeDriver:
         self.tick_interval = tick_interval
         self.on_response = on_response
         self.faults = faults
+        self.layer_groups = layer_groups  # > 0: P->D transfers stream in that many groups
         self.flush_every = max(self.page, config.decode_reserve_tokens)
         self.live: dict[str, LiveRequest] = {}
         self._prefetches: dict[int, tuple[cmd.Prefetch, Transfer, int, EventHandle]] = {}
@@ -255,18 +258,50 @@ class DecodeDriver:
             live.promised_tokens = c.start
         if self.faults is not None:
             self.faults.issue_transfer(c)
-        live.prefill.when_done(c.req, lambda: self._send(c))
+        if self.layer_groups > 0:
+            live.prefill.when_started(c.req, lambda job: self._send(c, job))
+        else:
+            live.prefill.when_done(c.req, lambda: self._send(c))
 
-    def _send(self, c: cmd.RequestKV) -> None:
-        """Prefill has the KV: ship [start, end) over this node's network ingress."""
+    def _send(self, c: cmd.RequestKV, job: PrefillJob | None = None) -> None:
+        """Ship [start, end) over this node's network ingress: at once if prefill has the KV,
+        else streamed as `job` computes it (what it restored first, then layer group by group)."""
         live = self.live.get(c.req)
         nbytes = (c.end - c.start) * self.kvb
         fault = self.faults.transfer(c) if self.faults is not None else None
-        if fault is not None:
-            nbytes *= fault.share
+        share = fault.share if fault is not None else 1.0
+        nbytes *= share
         if live is not None:
             live.pd_bytes += nbytes
-        t = self.network.reserve(self.loop.now, nbytes)
+        now = self.loop.now
+        if job is None or now >= job.compute_end:
+            self._ship(c, fault, self.network.reserve(now, nbytes))
+            return
+        head = max(0, min(c.end, job.cached_tokens) - c.start) * self.kvb
+        body = (c.end - c.start) * self.kvb - head
+        ps, pe = job.compute_start, job.compute_end
+        # The link stays free for others until the transfer can go out without a pause.
+        at = self.network.stream_start(head, body, ps, pe, self.layer_groups)
+        if at > now:
+            self.loop.call_at(at, self._stream, c, fault, head, body, ps, pe, share)
+        else:
+            self._stream(c, fault, head, body, ps, pe, share)
+
+    def _stream(
+        self,
+        c: cmd.RequestKV,
+        fault: TransferFault | None,
+        head: float,
+        body: float,
+        ps: float,
+        pe: float,
+        share: float,
+    ) -> None:
+        t = self.network.stream(self.loop.now, head, body, ps, pe, self.layer_groups, share)
+        self._ship(c, fault, t)
+
+    def _ship(self, c: cmd.RequestKV, fault: TransferFault | None, t: Transfer) -> None:
+        """The transfer's bytes are booked on the link: it arrives, or fails, when they land."""
         if fault is not None and fault.fail:
             self.loop.call_at(t.done + fault.delay, self._failed, c.req, c.transfer, fault.reason)
             return

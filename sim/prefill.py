@@ -11,6 +11,11 @@ Simplifications, stated: a node runs one prompt at a time at its full compute ra
 prefill batching changes latency, not throughput, of a compute-bound phase), and its restore
 holds the node; what it computed enters its tree at once with write-through backups completed
 immediately (its own L2 traffic is not modelled); it writes nothing to L3.
+
+A job tells when its KV exists, for transfers that stream it: the part it restored from its
+tree or L3 once the restore is done (`compute_start`), the computed part evenly over the
+compute (`compute_start` to `compute_end`, layer by layer). Prefill is not chunked here, so a
+prompt's layer g exists for all of its tokens at once.
 """
 
 from __future__ import annotations
@@ -37,9 +42,12 @@ class PrefillJob:
     keys: list[int]  # the prompt's full-page keys
     arrival: float
     started: float = -1.0
+    compute_start: float = -1.0  # its restore done, compute begins (known once it starts)
+    compute_end: float = -1.0  # when compute will end (known once it starts)
     done_at: float = -1.0
     cached_tokens: int = 0  # of the prompt, not computed here
     waiting: list[Callable[[], None]] = attrs.Factory(list)
+    starting: list[Callable[[PrefillJob], None]] = attrs.Factory(list)
 
 
 class PrefillNode:
@@ -97,6 +105,16 @@ class PrefillNode:
         else:
             job.waiting.append(fn)
 
+    def when_started(self, rid: str, fn: Callable[[PrefillJob], None]) -> None:
+        """Run `fn(job)` once the job's compute is planned (now, if it is): from then on its
+        `compute_start`, `compute_end` and `cached_tokens` say when each part of its KV exists,
+        which a layer-wise transfer needs to start before prefill has ended."""
+        job = self.jobs[rid]
+        if job.compute_end >= 0:
+            fn(job)
+        else:
+            job.starting.append(fn)
+
     def release(self, rid: str) -> None:
         """The decode node has everything it asked for: forget the job."""
         self.jobs.pop(rid, None)
@@ -136,7 +154,11 @@ class PrefillNode:
         self.computed_tokens += compute
         self.cached_tokens += job.cached_tokens
         done = ready + self.costs.prefill_seconds(compute, job.cached_tokens)
+        job.compute_start, job.compute_end = ready, done
         self.loop.call_at(done, self._done, job, lock, device_slots)
+        starting, job.starting = job.starting, []
+        for fn in starting:
+            fn(job)
 
     def _l3_read_seconds(self, pages: int, now: float) -> float:
         """Queueing behind the storage channel's backlog, then the read and the host copy.

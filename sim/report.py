@@ -27,13 +27,11 @@ matplotlib.use("Agg")  # files only; never a window
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from hicache.sim.plots import HATCHES, TIERS  # noqa: E402
+from hicache.sim.plots import line_style as _style  # noqa: E402
 from hicache.sim.sweep import SweepData, cell, read_sweep  # noqa: E402
 
 MAX_LINES = 8  # per TTFT panel before the other parameters are averaged
-# Marker and dash per line, cycled with coprime lengths so the first 20 lines all differ.
-MARKERS = ("o", "s", "^", "D", "v")
-DASHES = ("-", "--", ":", "-.")
-TIERS = ("l1", "l2", "l3")
 Combo = tuple[Any, ...]
 
 _CSS = """
@@ -146,11 +144,6 @@ def _numeric(values: Sequence[Any]) -> bool:
 
 # --- plots ----------------------------------------------------------------------------------
 # Each plot function returns a figure, or a note (str) when there is nothing to draw.
-
-
-def _style(i: int) -> dict[str, Any]:
-    """Line i's colour, marker and dash: no two of the first 20 lines look alike."""
-    return {"color": f"C{i % 10}", "marker": MARKERS[i % len(MARKERS)], "linestyle": DASHES[i % len(DASHES)]}
 
 
 def _png(fig: Any) -> str:
@@ -292,9 +285,6 @@ def _tiers(table: _Table, title: str) -> Any:
     axes[0][-1].legend(loc="upper left", bbox_to_anchor=(1.02, 1))
     fig.suptitle(f"{title}: prompt tokens restored on the decode node, by tier")
     return fig
-
-
-HATCHES = ("", "//", "..", "xx", "\\\\", "++")
 
 
 def _grouped(table: _Table, key: str, xlabel: str, title: str, what: str) -> Any:

@@ -14,6 +14,7 @@ import attrs
 
 from hicache.scenarios.scenario import Scenario, ScenarioError
 from hicache.sim import fit
+from hicache.sim.channel import lanes_for
 from hicache.sim.cluster import ClusterSetup
 from hicache.sim.costs import NodeCosts
 from hicache.sim.geometry import ModelGeometry, model_preset
@@ -118,6 +119,10 @@ def setups(scenario: Scenario) -> dict[str, ClusterSetup]:
     host_bw = (hw.host_bandwidth or host.bandwidth) * gpus
     net_bw = (hw.network_bandwidth or net.bandwidth) * gpus
     net_lat = net.latency if hw.network_latency is None else hw.network_latency
+    try:
+        lanes = lanes_for(net_bw, hw.transfer_rate)
+    except ValueError as exc:
+        raise _fail(scenario, "hardware.transfer_rate", exc) from None
     page = cache.page_size
     l1_pages, l2_pages, prefill_pages = tier_pages(scenario)
     if l1_pages < 1:
@@ -128,8 +133,10 @@ def setups(scenario: Scenario) -> dict[str, ClusterSetup]:
         "l3_bandwidth": st.bandwidth,
         "l3_latency": st.latency,
         "host_to_device_bandwidth": host_bw,
-        "network_bandwidth": net_bw,
+        "network_bandwidth": net_bw / lanes,  # one transfer's rate, under a per-transfer ceiling
         "network_latency": net_lat,
+        # How prefill ships KV: streamed in layer groups during prefill, or once it is done.
+        "transfer_groups": (cl.transfer_groups or model.layers) if cl.layerwise_transfer else 0,
         **prefill_estimates(costs),
     }
     # A hierarchical cache's per-step polling and collectives (cluster.hicache_step_overhead).
@@ -162,6 +169,9 @@ def setups(scenario: Scenario) -> dict[str, ClusterSetup]:
             host_latency=host.latency,
             network_bandwidth=net_bw,
             network_latency=net_lat,
+            transfer_rate=hw.transfer_rate,
+            layerwise_transfer=cl.layerwise_transfer,
+            transfer_groups=cl.transfer_groups,
             storage_bandwidth=st.bandwidth,
             storage_latency=st.latency,
             storage_capacity_pages=st.capacity_tokens // page,

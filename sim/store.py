@@ -1,19 +1,28 @@
 """The shared L3: which page keys storage holds, and the one channel all nodes read and write
-through. Capacity is in pages; beyond it the least recently used pages go (0 = unbounded)."""
+through. Capacity is in pages; beyond it the least recently used pages go (0 = unbounded).
+
+The keys live in a compact table (`hicache.sim.keyset`: 11-21 bytes a key unbounded, about 30
+with a capacity, where a dict of Python ints costs about 100), so that an unbounded L3 holding
+every page of a trace of millions of requests stays a few hundred megabytes."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
 from hicache.sim.channel import Channel
+from hicache.sim.keyset import KeySet, LruKeySet, as_keys, prefix_hits
 
 
 class SharedStore:
     def __init__(self, channel: Channel, capacity_pages: int = 0) -> None:
         self.channel = channel
         self.capacity = capacity_pages
-        self._keys: dict[int, None] = {}  # insertion order is recency order
-        self.evicted = 0
+        self._keys: KeySet | LruKeySet = LruKeySet(capacity_pages) if capacity_pages else KeySet()
+
+    @property
+    def evicted(self) -> int:
+        """Pages dropped to stay within capacity, so far."""
+        return self._keys.evicted if isinstance(self._keys, LruKeySet) else 0
 
     def __len__(self) -> int:
         return len(self._keys)
@@ -23,29 +32,14 @@ class SharedStore:
 
     def prefix_hits(self, keys: Sequence[int], start: int = 0) -> int:
         """Consecutive keys from `keys[start]` that storage holds."""
-        n = start
-        held = self._keys
-        while n < len(keys) and keys[n] in held:
-            n += 1
-        return n - start
+        return prefix_hits(self._keys, keys, start)
 
     def touch(self, keys: Iterable[int]) -> None:
         """Mark keys as just used (only a bounded store keeps recency)."""
-        if self.capacity:
-            held = self._keys
-            for k in keys:
-                if k in held:
-                    del held[k]
-                    held[k] = None
+        if isinstance(self._keys, LruKeySet):
+            self._keys.touch(as_keys(keys))
 
     def add(self, keys: Iterable[int]) -> None:
-        held = self._keys
-        if not self.capacity:
-            held.update(dict.fromkeys(keys))
-            return
-        for k in keys:
-            held.pop(k, None)
-            held[k] = None
-        while len(held) > self.capacity:
-            del held[next(iter(held))]
-            self.evicted += 1
+        """Hold `keys` (refreshing those already held), then drop the least recently used
+        beyond capacity."""
+        self._keys.add(as_keys(keys))

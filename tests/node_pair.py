@@ -68,21 +68,27 @@ async def node_pair(
     transfer_timeout: float = 30.0,
     fence_timeout: float = 5.0,
     decode_engine: Callable[[], TcpEngine] = lambda: TcpEngine(name="decode"),
+    prefill_engine: Callable[[], TcpEngine] = lambda: TcpEngine(name="prefill"),
     config: dict[str, Any] | None = None,
+    prefill: dict[str, Any] | None = None,
+    prefill_model: TinyModel | None = None,
 ) -> AsyncIterator[NodePair]:
-    """`config` overrides fields of the decode node's `DecodeConfig`."""
+    """`config` overrides fields of the decode node's `DecodeConfig`; `prefill` passes keywords
+    to the `PrefillNode`, which computes with `prefill_model` when given."""
     model = TinyModel(TinyConfig())
     layout = layout_for(model.config, PAGE)
     core = small_core(storage=storage, transfer_retries=retries)
     core = attrs.evolve(core, **(config or {}))
     spec = FaultSpec.parse(faults) if faults is not None else None
     async with (
-        TcpEngine(name="prefill") as p_engine,
+        prefill_engine() as p_engine,
         decode_engine() as d_engine,
         trio.open_nursery() as nursery,
     ):
-        prefill = PrefillNode(model, layout, p_engine, staging_pages=64)
-        listeners = await nursery.start(prefill.serve, 0)
+        prefill_node = PrefillNode(
+            prefill_model or model, layout, p_engine, staging_pages=64, **(prefill or {})
+        )
+        listeners = await nursery.start(prefill_node.serve, 0)
         store = FileStore(tmp_path / "l3", layout)
         service = DecodeService(
             core,
@@ -98,7 +104,7 @@ async def node_pair(
         port = await nursery.start(service.run, 0, prefill_at)
         client = await DecodeClient.connect("127.0.0.1", port)
         try:
-            yield NodePair(service, client, KVLedger(model, PAGE), prefill, prefill_at[1])
+            yield NodePair(service, client, KVLedger(model, PAGE), prefill_node, prefill_at[1])
         finally:
             await client.aclose()
             nursery.cancel_scope.cancel()

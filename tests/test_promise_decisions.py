@@ -2,8 +2,9 @@
 what the first `RequestKV` asks prefill for once the L3 hit is known.
 
 `eager` promises the L3 span at once whatever storage's speed; `confirmed` only once the pages
-are in L2; `adaptive` when the restore fits within prefill of the remaining prompt plus its
-whole transfer (solved by hand below, from the config's fields), else it asks for everything.
+are in L2; `adaptive` when the restore fits within the time the remaining prompt's transfer
+takes to land — after prefill, or streamed during it (solved by hand below, from the config's
+fields) — else it asks for everything.
 """
 
 from __future__ import annotations
@@ -28,23 +29,24 @@ ESTIMATES = dict(
 )
 
 
-def break_even() -> float:
-    """The L3 bandwidth at which restoring the 10 pages takes prefill of the whole prompt plus
-    its transfer (nothing is on L1 or L2)."""
+def break_even(groups: int = 0) -> float:
+    """The L3 bandwidth at which restoring the 10 pages takes as long as the whole prompt's
+    transfer takes to land (nothing is on L1 or L2): after prefill, or streamed during it in
+    `groups` layer groups."""
     e = ESTIMATES
     attended = TOKENS * (TOKENS - 1) / 2
-    window = (
-        TOKENS / e["prefill_tokens_per_s"]
-        + e["prefill_attention_seconds"] * attended
-        + e["network_latency"]
-        + TOKENS * e["kv_bytes_per_token"] / e["network_bandwidth"]
-    )
+    prefill = TOKENS / e["prefill_tokens_per_s"] + e["prefill_attention_seconds"] * attended
+    wire = TOKENS * e["kv_bytes_per_token"] / e["network_bandwidth"]
+    landed = max(prefill / groups + wire, prefill + wire / groups) if groups else prefill + wire
+    window = e["network_latency"] + landed
     nbytes = PAGES * PAGE * e["kv_bytes_per_token"]
     return nbytes / (window - e["l3_latency"] - nbytes / e["host_to_device_bandwidth"])
 
 
-def config(promise: str, factor: float) -> DecodeConfig:
-    return decode_config(promise=promise, l3_bandwidth=break_even() * factor, **ESTIMATES)
+def config(promise: str, factor: float, groups: int = 0) -> DecodeConfig:
+    return decode_config(
+        promise=promise, l3_bandwidth=break_even(groups) * factor, transfer_groups=groups, **ESTIMATES
+    )
 
 
 def after_l3_known(w: World) -> tuple[list[cmd.RequestKV], list[cmd.Prefetch]]:
@@ -104,3 +106,27 @@ def test_without_prefill_time_the_break_even_moves_up() -> None:
     )
     kvs, _ = after_l3_known(w)
     assert [(k.start, k.end) for k in kvs] == [(0, TOKENS)]
+
+
+@pytest.mark.parametrize("groups", [1, 4, 80])
+@pytest.mark.parametrize(("factor", "promised"), [(1.01, True), (0.99, False)])
+def test_adaptive_with_streamed_transfers_weighs_when_the_stream_lands(
+    groups: int, factor: float, promised: bool
+) -> None:
+    """Streamed in layer groups during prefill, the transfer hides behind prefill: the window is
+    max(P/G + T, P + T/G), shorter than P + T, so the same storage pays later."""
+    kvs, _ = after_l3_known(World(config("adaptive", factor, groups)))
+    want = (PAGES * PAGE, TOKENS) if promised else (0, TOKENS)
+    assert [(k.start, k.end) for k in kvs] == [want]
+    assert break_even(groups) > break_even() or groups == 1
+
+
+def test_a_rule_that_ignores_streaming_would_restore_too_early() -> None:
+    """Between the streamed break-even and the sent-after-prefill one, restoring does not pay
+    when transfers stream, though it would if they followed prefill."""
+    between = (break_even(80) + break_even()) / 2
+    assert break_even() < between < break_even(80)
+    for groups, promised in ((0, True), (80, False)):
+        cfg = decode_config(promise="adaptive", l3_bandwidth=between, transfer_groups=groups, **ESTIMATES)
+        kvs, _ = after_l3_known(World(cfg))
+        assert [(k.start, k.end) for k in kvs] == [(PAGES * PAGE, TOKENS) if promised else (0, TOKENS)]

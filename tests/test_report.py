@@ -19,7 +19,8 @@ import pytest
 from matplotlib.container import ErrorbarContainer
 
 from hicache.cli import main
-from hicache.sim import report
+from hicache.scenarios.scenario import BASELINES
+from hicache.sim import plots, report
 from hicache.sim.sweep import local_executor, plan_sweep, read_sweep, run_sweep
 
 SCENARIO = """
@@ -259,3 +260,31 @@ def test_an_empty_plot_becomes_a_note(sweep: Path, tmp_path: Path) -> None:
         "0 fallback tokens",
     ):
         assert needle in text
+
+
+def test_a_runs_ttft_lines_differ_in_marker_and_dash_per_baseline(tmp_path: Path) -> None:
+    """The per-run TTFT CDF (`hicache sim run`): no two baselines share both marker and dash,
+    and a baseline keeps its look whichever others run beside it."""
+    rng = np.random.default_rng(0)
+    every = {b: rng.lognormal(0, 1, 50) for b in (*BASELINES, "custom_a", "custom_b")}
+    fig = plots.ttft_figure(every, "t")
+    lines = fig.axes[0].get_lines()
+    assert len(lines) == len(every)
+    assert len({(ln.get_marker(), ln.get_linestyle()) for ln in lines}) == len(lines)
+    look = {ln.get_label(): (ln.get_marker(), ln.get_linestyle(), ln.get_color()) for ln in lines}
+    matplotlib.pyplot.close(fig)
+    some = plots.ttft_figure({"l1_l2_l3": every["l1_l2_l3"], "l1": every["l1"]}, "t")
+    for ln in some.axes[0].get_lines():
+        assert (ln.get_marker(), ln.get_linestyle(), ln.get_color()) == look[ln.get_label()]
+    matplotlib.pyplot.close(some)
+
+
+def test_an_empty_per_run_plot_becomes_a_note(tmp_path: Path) -> None:
+    assert "No request completed" in plots.ttft_figure({"l1": [], "l1_l2": np.empty(0)}, "t")
+    summary = {"cached_tokens": {"l1": 0, "l2": 0, "l3": 0}, "prompt_tokens": 0, "pd_transfer_bytes": 0.0}
+    for draw in (plots.cached_by_tier, plots.pd_bytes):
+        path = tmp_path / f"{draw.__name__}.png"
+        draw(path, {"l1": summary}, "t")
+        assert matplotlib.image.imread(path).shape[0] < 200  # a one-line note, not empty axes
+    plots.ttft_cdf(tmp_path / "ttft.png", {"l1": []}, "t")
+    assert matplotlib.image.imread(tmp_path / "ttft.png").shape[0] < 200

@@ -89,7 +89,7 @@ async def test_turns_hit_l1_then_l2_then_l3_with_bit_exact_kv(engine: str, tmp_p
     assert not list(storage.rglob("*.tmp*"))
 
 
-def _scenario(tmp_path: Path):
+def _scenario(tmp_path: Path, **workload: object):
     return parse_scenario(
         {
             "workload": {
@@ -101,7 +101,11 @@ def _scenario(tmp_path: Path):
                 "output_tokens": [4, 24],
                 "rate": 4.0,
                 "think_time": 1.0,
+                **workload,
             },
+            # Reading L3 always beats computing, for both prefill nodes: then what prefill finds
+            # depends only on what decode stored, not on either side's speed.
+            "storage": {"bandwidth": 1e15, "latency": 0.0},
             "cache": {
                 "page_size": PAGE,
                 "l1_tokens": 1024,
@@ -115,17 +119,42 @@ def _scenario(tmp_path: Path):
     )
 
 
-def test_sim_and_runtime_make_the_same_decisions(tmp_path: Path) -> None:
-    scenario = _scenario(tmp_path)
+FIELDS = (
+    "prompt_tokens",
+    "cached_l1",
+    "cached_l2",
+    "cached_l3",
+    "promised_tokens",
+    "transferred_tokens",
+    "prefill_cached_tokens",
+)
+
+
+def _agree(tmp_path: Path, scenario, *, sequential: bool) -> list:
     items = build_workload(scenario)
-    sim = Cluster(setups(scenario)["l1_l2_l3"]).run(items, sequential=True).records
+    sim = Cluster(setups(scenario)["l1_l2_l3"]).run(items, sequential=sequential).records
     out = tmp_path / "runtime"
-    assert run_scenario(scenario, out, engine="tcp", sequential=True, progress=False) == 0
+    assert run_scenario(scenario, out, engine="tcp", sequential=sequential, progress=False) == 0
     with (out / "requests.csv").open() as f:
         rows = {r["id"]: r for r in csv.DictReader(f)}
     assert len(rows) == len(sim) == len(items)
-    fields = ("prompt_tokens", "cached_l1", "cached_l2", "cached_l3", "promised_tokens", "transferred_tokens")
     for rec in sim:
         row = rows[rec.id]
-        assert {k: int(row[k]) for k in fields} == {k: getattr(rec, k) for k in fields}, rec.id
-    assert sum(r.cached for r in sim) > 0  # the scenario does exercise the cache
+        assert {k: int(row[k]) for k in FIELDS} == {k: getattr(rec, k) for k in FIELDS}, rec.id
+    assert sum(r.cached for r in sim) > 0  # the scenario does exercise the decode cache
+    assert sum(r.prefill_cached_tokens for r in sim) > 0  # and the prefill cache
+    return sim
+
+
+def test_sim_and_runtime_make_the_same_decisions(tmp_path: Path) -> None:
+    _agree(tmp_path, _scenario(tmp_path), sequential=True)
+
+
+def test_sim_and_runtime_agree_on_a_concurrent_closed_loop_replay(tmp_path: Path) -> None:
+    """Sessions run at once, each sending its next turn a second after its previous answer. L1
+    holds every conversation and they share no prefix (no system prompt), so no eviction, and
+    hence no decision, depends on how requests interleave: each turn finds its history in L1 on
+    the decode node, and prefill finds the previous prompt in its own tree and the previous
+    answer in the L3 decode wrote."""
+    sim = _agree(tmp_path, _scenario(tmp_path, arrivals="closed", system_prompt=0), sequential=False)
+    assert {r.cached_l2 + r.cached_l3 for r in sim} == {0}

@@ -167,8 +167,16 @@ async def test_invalid_keys_touch_nothing(bad: object, tmp_path: Path) -> None:
 # --------------------------------------------------------------------------------- file store
 
 
-HEADER_INTS = {"version": 1, "header_size": 2, "key": 4, "shape": 7, "length": 11}
-HEADER_BYTES = {"magic": (0, b"HICKVPG1"), "dtype": (10, b"float16"), "mac": (12, bytes(32))}
+HEADER_INTS = {
+    "version": 1,
+    "header_size": 2,
+    "shard_rank": 3,
+    "shard_count": 4,
+    "key": 5,
+    "shape": 8,
+    "length": 12,
+}
+HEADER_BYTES = {"magic": (0, b"HICKVPG1"), "dtype": (11, b"float16"), "mac": (13, bytes(32))}
 RESIZED = {"truncated": -1, "header_only": -LAYOUT.page_bytes, "extra_byte": +1}
 
 
@@ -243,8 +251,8 @@ async def test_file_format(tmp_path: Path) -> None:
     payload = rows(src)[3]
     assert data[:HEADER_SIZE] == pack_header(KEYS[0], LAYOUT, payload, mac_key(b"cluster"))
     assert data[HEADER_SIZE:] == payload.tobytes()
-    magic, version, size, _, key, *rest = HEADER.unpack(data[:HEADER_SIZE])
-    assert (magic, version, size, key) == (MAGIC, 2, 128, KEYS[0])
+    magic, version, size, rank, count, key, *rest = HEADER.unpack(data[:HEADER_SIZE])
+    assert (magic, version, size, rank, count, key) == (MAGIC, 2, 128, 0, 0, KEYS[0])  # unsharded
     assert tuple(rest[:5]) == LAYOUT.page_shape and rest[5].rstrip(b"\0") == b"bfloat16"
     assert rest[6] == LAYOUT.page_bytes
     signed = data[: HEADER_SIZE - 32]
@@ -419,6 +427,22 @@ class FileStoreMachine(StoreMachine):
     make_store = staticmethod(lambda root: FileStore(root, LAYOUT, delete_corrupt=True))
 
 
+class BoundedShardMachine(StoreMachine):
+    """A tensor-parallel shard with a capacity that holds every key: the index and the shard
+    change nothing the contract says (a damaged page deleted and written again included)."""
+
+    make_store = staticmethod(
+        lambda root: FileStore(
+            root,
+            LAYOUT,
+            delete_corrupt=True,
+            capacity_bytes=len(KEY_SPACE) * (HEADER_SIZE + LAYOUT.page_bytes),
+            rank=1,
+            tp_size=2,
+        )
+    )
+
+
 class MemoryStoreMachine(StoreMachine):
     make_store = staticmethod(lambda root: MemoryStore(LAYOUT))
 
@@ -426,6 +450,8 @@ class MemoryStoreMachine(StoreMachine):
 _machine_settings = settings(max_examples=examples(40), stateful_step_count=15, deadline=None)
 TestFileStoreModel = FileStoreMachine.TestCase
 TestFileStoreModel.settings = _machine_settings
+TestBoundedShardModel = BoundedShardMachine.TestCase
+TestBoundedShardModel.settings = _machine_settings
 TestMemoryStoreModel = MemoryStoreMachine.TestCase
 TestMemoryStoreModel.settings = _machine_settings
 

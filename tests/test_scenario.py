@@ -397,7 +397,14 @@ FIELDS: dict[str, Spec] = {
     "hardware.network": NAME,
     **{
         f"hardware.{k}": numbers(0, above=True)
-        for k in ("host_bandwidth", "network_bandwidth", "network_latency", "hbm_bandwidth", "flops")
+        for k in (
+            "host_bandwidth",
+            "network_bandwidth",
+            "network_latency",
+            "transfer_rate",
+            "hbm_bandwidth",
+            "flops",
+        )
     },
     "storage.bandwidth": numbers(0, above=True),
     "storage.latency": numbers(0),
@@ -410,6 +417,8 @@ FIELDS: dict[str, Spec] = {
     "cluster.decode_step_overhead": numbers(0),
     "cluster.hicache_step_overhead": numbers(0),
     "cluster.tick_interval": numbers(0, above=True),
+    "cluster.layerwise_transfer": BOOL,
+    "cluster.transfer_groups": SIZE,
     "cache.page_size": COUNT,
     "cache.l1_tokens": SIZE,
     "cache.hicache_ratio": numbers(0),

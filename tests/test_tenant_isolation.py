@@ -232,17 +232,20 @@ async def test_prefill_reuses_a_prompt_only_within_its_tenant(tmp_path: Path) ->
             with trio.fail_after(GUARD_S):
                 reply, kv = await pair.client.generate(rid, tokens, 2, verify=True, tenant=tenant)
             assert pair.ledger.check(tokens, 2, reply, kv, tenant=tenant) == [], reply["reason"]
-        assert pair.prefill.requests == 3  # one computation per tenant: none served another
+        assert pair.prefill.reused_tokens == 0  # one computation per tenant: none served another
+        assert pair.prefill.computed_tokens == 3 * len(tokens)
         with trio.fail_after(GUARD_S):
             reply, _ = await pair.client.generate("a1", tokens, 2, tenant="a")
         assert reply["outcome"] == "finished"
-        assert pair.prefill.requests == 3  # the same tenant's repeat is remembered
+        # The same tenant's repeat is remembered: its full pages; the partial last page is computed.
+        assert pair.prefill.reused_tokens == 3 * PAIR_PAGE
+        assert pair.prefill.computed_tokens == 3 * len(tokens) + 2
 
 
 async def test_prefill_computes_only_what_extends_a_prompt_of_the_same_tenant(tmp_path: Path) -> None:
-    """The next turn of a conversation extends the last prompt: prefill computes only the new
-    tokens (its KV checked against a monolithic pass by the ledger), and never reuses another
-    tenant's prompt for it."""
+    """The next turn of a conversation extends the last prompt: prefill computes only what its
+    cache lacks, whole pages as the tree keeps them (its KV checked against a monolithic pass by
+    the ledger), and never reuses another tenant's prompt for it."""
     async with node_pair(tmp_path, storage=False) as pair:
         first = list(range(40, 40 + 2 * PAIR_PAGE + 5))
         longer = first + list(range(200, 200 + PAIR_PAGE + 3))
@@ -253,6 +256,7 @@ async def test_prefill_computes_only_what_extends_a_prompt_of_the_same_tenant(tm
                 assert pair.ledger.check(tokens, 2, reply, kv, tenant=tenant) == [], reply["reason"]
                 done = (pair.prefill.computed_tokens - before[0], pair.prefill.reused_tokens - before[1])
                 if rid == "a1":
-                    assert done == (len(longer) - len(first), len(first))  # only the new tokens
+                    kept = len(first) // PAIR_PAGE * PAIR_PAGE  # the first prompt's full pages
+                    assert done == (len(longer) - kept, kept)
                 else:
                     assert done == (len(tokens), 0)  # a first prompt, or another tenant's

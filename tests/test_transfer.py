@@ -8,6 +8,7 @@ protocol is attacked directly: peers that vanish mid-transfer and malformed fram
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import re
 import signal
@@ -41,7 +42,8 @@ from hicache.runtime.transfer import (
     TransferTimeout,
     XferState,
 )
-from hicache.runtime.transfer.tcp import HEADER, MAGIC, VERSION, Msg, encode_header
+from hicache.runtime.transfer.base import Span
+from hicache.runtime.transfer.tcp import HEADER, MAGIC, SPAN, VERSION, Msg, encode_header
 
 PEER_SCRIPT = Path(__file__).with_name("transfer_peer.py")
 PAGES, PAGE_BYTES = 16, 4096
@@ -533,6 +535,66 @@ async def test_tcp_refusal_reason_reaches_an_initiator_that_is_still_sending() -
 
 
 # ---------------------------------------------------------------------------------------------
+# Span WRITEs: KV streamed by layer group
+
+
+@pytest.mark.parametrize("kind", ENGINES)
+@settings(max_examples=examples(6), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+async def test_a_transfer_in_spans_lands_whole_and_notifies_once_with_its_last_span(
+    kind: str, data: Any
+) -> None:
+    """How prefill streams KV by layer group: each span WRITE moves one slice of every page; the
+    notification comes with the last, posted once the others are done, and not before."""
+    groups = data.draw(st.integers(1, 6), label="groups")
+    inner = st.sets(st.integers(1, PAGE_BYTES - 1), min_size=groups - 1, max_size=groups - 1)
+    cuts = sorted(data.draw(inner, label="cuts"))
+    bounds = [0, *cuts, PAGE_BYTES]
+    k = data.draw(st.integers(1, PAGES), label="pages")
+    lp = data.draw(st.permutations(range(PAGES)), label="local")[:k]
+    rp = data.draw(st.permutations(range(PAGES)), label="remote")[:k]
+    async with linked(kind) as w:
+        fill(w.pa, np.random.default_rng(data.draw(st.integers(0, 2**32 - 1), label="seed")))
+        expected = w.pb.clone()
+        expected[rp] = w.pa[lp]
+        for g, (lo, hi) in enumerate(itertools.pairwise(bounds)):
+            last = g == len(bounds) - 2
+            span = Span(lo, hi - lo)
+            h = await w.a.post("WRITE", w.ra, lp, "b", "pool", rp, b"kv:7", span=span, final=last)
+            assert await w.a.wait(h, timeout=GUARD_S) is XferState.DONE
+            w.a.release(h)
+            if not last:
+                assert w.b.notifs() == []  # a part is never announced
+                assert torch.equal(w.pb[rp][:, lo:hi], w.pa[lp][:, lo:hi])
+        with trio.fail_after(GUARD_S):
+            assert await w.b.next_notif() == ("a", b"kv:7")
+        assert torch.equal(w.pb, expected)
+
+
+@pytest.mark.parametrize("kind", ENGINES)
+async def test_a_bad_span_is_a_value_error_before_anything_moves(kind: str) -> None:
+    async with linked(kind) as w:
+        for bad in (Span(0, 0), Span(-1, 8), Span(PAGE_BYTES - 4, 8)):
+            with pytest.raises(ValueError, match="span: expected"):
+                await w.a.post("WRITE", w.ra, [0], "b", "pool", [0], b"x", span=bad)
+        with pytest.raises(ValueError, match="only a WRITE"):
+            await w.a.post("READ", w.ra, [0], "b", "pool", [0], b"x", span=Span(0, 8))
+
+
+async def test_tcp_a_fenced_transfer_refuses_its_later_spans() -> None:
+    """A decode node that gave up on a streamed transfer fences its notification: a span still
+    to come is refused before any byte of it lands."""
+    async with linked("tcp") as w:
+        fill(w.pa, np.random.default_rng(3))
+        before = w.pb.clone()
+        assert await w.b.fence(b"kv:9") is True
+        h = await w.a.post("WRITE", w.ra, [1, 2], "b", "pool", [3, 4], b"kv:9", span=Span(0, 64), final=False)
+        assert await w.a.wait(h, timeout=GUARD_S) is XferState.ERR
+        assert "fenced" in (w.a.reason(h) or "")
+        assert torch.equal(w.pb, before) and w.b.notifs() == []
+
+
+# ---------------------------------------------------------------------------------------------
 # TCP: malformed frames sent to a real engine
 
 
@@ -613,6 +675,21 @@ MALFORMED: dict[str, tuple[bytes, str]] = {
     "hello twice": (encode_header(Msg.HELLO, 0, b"raw", notif_len=16) + b"n" * 16, "expected WRITE or READ"),
     "auth twice": (encode_header(Msg.AUTH, 0, notif_len=32) + b"p" * 32, "expected WRITE or READ"),
     "ack sent to the target": (encode_header(Msg.ACK, 1), "expected WRITE or READ"),
+    "span past the page": (
+        encode_header(Msg.WRITE_SPAN, 1, b"pool", 1, 64)
+        + struct.pack("<I", 2)
+        + SPAN.pack(PAGE_BYTES - 32, 1),
+        "past the region's pages",
+    ),
+    "span longer than a page": (
+        encode_header(Msg.WRITE_SPAN, 1, b"pool", 1, PAGE_BYTES + 1),
+        "bytes per page",
+    ),
+    "span of nothing": (encode_header(Msg.WRITE_SPAN, 1, b"pool", 1, 0), "bytes per page"),
+    "span neither final nor not": (
+        encode_header(Msg.WRITE_SPAN, 1, b"pool", 1, 64) + struct.pack("<I", 2) + SPAN.pack(0, 2),
+        "final 2 not 0 or 1",
+    ),
 }
 
 

@@ -117,6 +117,9 @@ class DecodeConfig:
     host_to_device_bandwidth: float = attrs.field(default=25e9, validator=_at_least(1))
     network_bandwidth: float = attrs.field(default=25e9, validator=_at_least(1))
     network_latency: float = attrs.field(default=50e-6, validator=_at_least(0))
+    # How prefill ships KV: 0, once it has computed the whole prompt; G > 0, layer by layer in G
+    # groups while it computes (SGLang's way), so the transfer hides behind prefill.
+    transfer_groups: int = attrs.field(default=0, validator=_at_least(0))
     prefill_tokens_per_s: float = attrs.field(default=20000.0, validator=_at_least(1))
     # Prefill's attention: seconds per (new token, earlier token) pair, on top of the linear
     # rate above; 0: prefill time is linear in the tokens.

@@ -5,13 +5,17 @@ transfer; `confirmed` promises L3 pages only once they are in L2; `adaptive` kee
 only where restoring it is estimated not to delay the request.
 
 A restore runs while prefill computes the prompt and ships the unpromised rest of it: prefill
-computes every prompt token its own cache lacks whatever the decode node promises, and the
-transfer starts when it is done. Without a tier's span the request waits for prefill plus the
-transfer of the whole remaining prompt (the span included); with it, for the longer of the
-restore and prefill plus a shorter transfer. So the span pays when its restore fits within
-prefill's time for the remaining prompt plus the transfer of all of it — the overlap window.
-Comparing the restore with the transfer of the same tokens alone would refuse restores that
-hide behind prefill (24% slower than `eager` in docs/validation.md study 3, before this rule).
+computes every prompt token its own cache lacks whatever the decode node promises. Without a
+tier's span the request waits until the transfer of the whole remaining prompt (the span
+included) has landed; with it, for the longer of the restore and a shorter transfer. So the
+span pays when its restore fits within the time that transfer takes to land — the overlap
+window. When KV is sent once prefill is done, that is prefill plus the transfer; when it streams
+in G layer groups during prefill (`transfer_groups`), the transfer hides behind prefill and the
+window is max(P/G + T, P + T/G) for prefill time P and transfer time T: the last group leaves
+when prefill ends or when the link has carried the rest, whichever is later. Comparing the
+restore with the transfer of the same tokens alone would refuse restores that hide behind
+prefill (24% slower than `eager` in docs/validation.md study 3, before this rule), and ignoring
+the streaming would accept restores that outlast the streamed transfer (up to 33% slower).
 """
 
 from __future__ import annotations
@@ -35,10 +39,15 @@ def transfer_seconds(cfg: DecodeConfig, tokens: int) -> float:
 
 
 def overlap_seconds(cfg: DecodeConfig, prompt_tokens: int, start: int) -> float:
-    """What a restore of the prompt from token `start` on hides behind: prefill computing the
-    rest of the prompt, then the transfer of all of it."""
+    """What a restore of the prompt from token `start` on hides behind: the transfer of the
+    rest of the prompt landing, after prefill (or streamed during it) computed it."""
     rest = max(0, prompt_tokens - start)
-    return prefill_seconds(cfg, rest, start) + transfer_seconds(cfg, rest)
+    compute = prefill_seconds(cfg, rest, start)
+    groups = cfg.transfer_groups
+    if not groups:
+        return compute + transfer_seconds(cfg, rest)
+    wire = rest * cfg.kv_bytes_per_token / cfg.network_bandwidth
+    return cfg.network_latency + max(compute / groups + wire, compute + wire / groups)
 
 
 def l2_path(cfg: DecodeConfig) -> RestorePath:

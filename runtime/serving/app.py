@@ -14,12 +14,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from hicache.runtime.serving import openai_api, sglang_api
+from hicache.runtime.serving import openai_api, params, sglang_api
 from hicache.runtime.serving.auth import Auth, KeyLookup, PrincipalLike
 from hicache.runtime.serving.backend import Backend, TextCodec
 from hicache.runtime.serving.context import Context, context
-from hicache.runtime.serving.errors import ApiError, error_response
+from hicache.runtime.serving.errors import JSON, ApiError, error_response
 from hicache.runtime.serving.metrics import Metrics
+from hicache.runtime.serving.trace_recorder import RecordingError, TraceRecorder
 
 log = logging.getLogger("hicache.runtime.serving")
 
@@ -38,6 +39,31 @@ async def metrics(request: Request) -> Response:
         log.warning("backend stats unavailable for /metrics: %s: %s", type(exc).__name__, exc)
         ctx.metrics.set_backend_stats({})
     return Response(ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+async def start_trace_recording(request: Request) -> Response:
+    """Start recording a trace (admin): into `path` (JSON body, optional) under the directory the
+    operator allowed, else a new file there; 409 while one is recording or if the file exists."""
+    ctx = context(request)
+    ctx.auth.principal(request, admin=True)
+    empty = request.headers.get("content-length", "0") == "0" and "transfer-encoding" not in request.headers
+    body = {} if empty else await params.read_json(request, ctx.max_body_bytes)
+    name = None if body.get("path") is None else params.text(body["path"], "path")
+    try:
+        rec = ctx.recorder.start(ctx.recorder.resolve(name))
+    except RecordingError as exc:
+        raise ApiError(
+            409 if exc.conflict else 400, str(exc), param="path", code="recording_refused"
+        ) from None
+    return JSON(rec.status())
+
+
+async def stop_trace_recording(request: Request) -> Response:
+    """Stop recording (admin); answers what was recorded, or {"recording": false} if nothing was."""
+    ctx = context(request)
+    ctx.auth.principal(request, admin=True)
+    rec = ctx.recorder.stop()
+    return JSON({"recording": False} if rec is None else rec.status())
 
 
 async def _api_error(request: Request, exc: Exception) -> Response:
@@ -63,15 +89,24 @@ def create_app(
     model_name: str,
     api_keys: KeyLookup | Mapping[str, PrincipalLike] | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
+    recorder: TraceRecorder | None = None,
 ) -> Starlette:
     """An ASGI app for `backend`; `codec` tokenizes prompts and detokenizes output.
 
     `api_keys`: runtime/api_keys.py's `ApiKeys` (or a mapping key -> principal); when given,
     every route but /health and /health_generate needs `Authorization: Bearer KEY`, the key's
     tenant goes into each `GenerateRequest`, and /flush_cache and /metrics need an admin key.
+    `recorder`: where traces of the requests served are recorded (trace_recorder.py); its
+    start and stop routes need an admin key too.
     """
     app = Starlette(
-        routes=[*sglang_api.ROUTES, *openai_api.ROUTES, Route("/metrics", metrics, methods=["GET"])],
+        routes=[
+            *sglang_api.ROUTES,
+            *openai_api.ROUTES,
+            Route("/metrics", metrics, methods=["GET"]),
+            Route("/start_trace_recording", start_trace_recording, methods=["POST"]),
+            Route("/stop_trace_recording", stop_trace_recording, methods=["POST"]),
+        ],
         exception_handlers={ApiError: _api_error, HTTPException: _http_error},
     )
     app.state.ctx = Context(
@@ -83,5 +118,6 @@ def create_app(
         metrics=Metrics(),
         max_body_bytes=max_body_bytes,
         started_at=time.time(),
+        recorder=recorder if recorder is not None else TraceRecorder(model_name),
     )
     return app

@@ -33,13 +33,15 @@ class SamplingSpec:
 @attrs.frozen
 class GenerateRequest:
     """One generation: `rid` is unique per node (the front door makes it); `tenant` salts the
-    cache keys (None: the shared namespace) and comes from the caller's API key."""
+    cache keys (None: the shared namespace) and comes from the caller's API key; `session` names
+    the conversation for a session-affinity router ("": none)."""
 
     rid: str
     input_ids: list[int]
     max_new_tokens: int
     sampling: SamplingSpec
     tenant: str | None = None
+    session: str = ""
 
 
 @attrs.frozen
@@ -67,6 +69,8 @@ class Finished:
     prompt_tokens: int = 0
     cached_tokens: Mapping[str, int] = attrs.field(factory=dict)
     ttft_s: float | None = None
+    prefill_cached_tokens: int | None = None  # prompt tokens prefill did not compute, if known
+    transferred_tokens: int | None = None  # prompt tokens whose KV came over P->D, if known
 
 
 GenerateEvent = Tokens | Finished

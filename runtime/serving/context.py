@@ -22,6 +22,7 @@ from hicache.runtime.serving.errors import ApiError, bad_request, error_response
 from hicache.runtime.serving.generation import Generation, Job, aclose_shielded
 from hicache.runtime.serving.metrics import Metrics
 from hicache.runtime.serving.sse import Disconnected, until_disconnect
+from hicache.runtime.serving.trace_recorder import TraceRecorder
 
 log = logging.getLogger("hicache.runtime.serving")
 
@@ -38,6 +39,7 @@ class Context:
     metrics: Metrics
     max_body_bytes: int
     started_at: float
+    recorder: TraceRecorder
 
     async def encode(self, text: str) -> list[int]:
         if len(text) > THREAD_ENCODE_CHARS:
@@ -57,7 +59,11 @@ class Context:
 
     def generation(self, request: Request, job: Job) -> Generation:
         arrived = getattr(request.state, "arrived", None)
-        return Generation(self.backend, self.codec, self.metrics, job, self.info.eos_token_ids, arrived)
+        rec = self.recorder.active  # a request belongs to the recording running when it came
+        on_end = None if rec is None else rec.record
+        return Generation(
+            self.backend, self.codec, self.metrics, job, self.info.eos_token_ids, arrived, on_end
+        )
 
     async def run_to_end(self, request: Request, gen: Generation) -> bool:
         """Run a non-streaming generation; False if the client left (the backend is aborted)."""

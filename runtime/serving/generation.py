@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator, Callable, Mapping
 
 import attrs
 import trio
@@ -82,9 +82,11 @@ class Generation:
         job: Job,
         eos: tuple[int, ...],
         arrived: float | None = None,
+        on_end: Callable[[Generation], None] | None = None,
     ):
         """`arrived`: the request's arrival (time.monotonic()), so TTFT includes reading and
-        tokenizing it; now if not given."""
+        tokenizing it; now if not given. `on_end` sees the generation once it ended and was
+        counted (a trace recorder); what it raises is logged, never the request's."""
         self.backend = backend
         self.job = job
         self._metrics = metrics
@@ -98,6 +100,10 @@ class Generation:
         self.ttft_s: float | None = None
         self.backend_ttft_s: float | None = None
         self.finish: Finish | None = None
+        self.prefill_cached_tokens: int | None = None  # when the backend reports them
+        self.transferred_tokens: int | None = None
+        self._on_end = on_end
+        self._first_token_at: float | None = None
         self._last_token_at: float | None = None
 
     @property
@@ -112,6 +118,14 @@ class Generation:
     @property
     def elapsed_s(self) -> float:
         return time.monotonic() - self.started
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Mean seconds per output token after the first (None with fewer than two)."""
+        n = len(self.output_ids)
+        if self._first_token_at is None or self._last_token_at is None or n < 2:
+            return None
+        return (self._last_token_at - self._first_token_at) / (n - 1)
 
     @property
     def failed(self) -> bool:
@@ -149,6 +163,7 @@ class Generation:
     def _take_tokens(self, event: Tokens) -> str:
         now = time.monotonic()
         if self._last_token_at is None:
+            self._first_token_at = now
             self.ttft_s = now - self.started
             self._metrics.ttft.observe(self.ttft_s)
         elif event.ids:
@@ -169,6 +184,10 @@ class Generation:
             self.prompt_tokens = _count(event.prompt_tokens)
         self._set_cached(event.cached_tokens)
         self.backend_ttft_s = event.ttft_s
+        for name in ("prefill_cached_tokens", "transferred_tokens"):  # a backend that knows them
+            value = getattr(event, name, None)
+            if value is not None:
+                setattr(self, name, _count(value))
         delta = self._stops.feed(self._detok.flush(), final=True)
         if self._stops.matched is not None:
             self._end("stop", matched=self._stops.matched)
@@ -212,6 +231,11 @@ class Generation:
             log.info(line)
         else:
             log.warning("%s: %s", line, self.finish.message or "no reason given")
+        if self._on_end is not None:
+            try:
+                self._on_end(self)
+            except Exception:
+                log.exception("rid=%s: recording the request's outcome failed", self.rid)
 
     def usage(self) -> dict[str, object]:
         """OpenAI's usage block; cached_tokens counts every tier."""

@@ -86,6 +86,13 @@ class NodeBackend:
             if ended and client.usable:
                 self._give_back(client)
 
+    async def peek(self, tokens: list[int], tenant: str | None) -> int:
+        """Pages of `tokens` the node holds for `tenant` (what a cache-aware router weighs)."""
+        client = await self._client()
+        pages = await client.peek(tokens, tenant)
+        self._give_back(client)
+        return pages
+
     async def flush(self) -> None:
         client = await self._client()
         await client.evict(l1=1 << 40, l2=1 << 40)
@@ -124,4 +131,17 @@ def _finished(result: dict[str, Any], prompt_tokens: int) -> Finished:
         prompt_tokens=prompt_tokens,
         cached_tokens=cached,
         ttft_s=result.get("ttft_s"),
+        prefill_cached_tokens=_total(result.get("prefill_cached")),
+        transferred_tokens=_count(account.get("transferred")),
     )
+
+
+def _total(value: object) -> int | None:
+    """The tokens of a result's per-tier dict summed (None when the node sent none)."""
+    if not isinstance(value, dict):
+        return None
+    return sum(n for n in map(_count, value.values()) if n is not None)
+
+
+def _count(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None

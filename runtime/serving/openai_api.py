@@ -135,7 +135,9 @@ async def parse(
     )
     streaming = False if body.get("stream") is None else params.boolean(body.get("stream"), "stream")
     usage = include_usage(body, streaming)
-    req = GenerateRequest(ctx.new_rid(), input_ids, max_new, s.spec, tenant)
+    # OpenAI's `user` names the end user: the conversation a session-affinity router keeps together.
+    session = "" if body.get("user") is None else params.text(body.get("user"), "user", allow_empty=True)
+    req = GenerateRequest(ctx.new_rid(), input_ids, max_new, s.spec, tenant, session)
     return Job("chat" if chat else "completions", req, s.stop), streaming, usage
 
 

@@ -15,7 +15,7 @@ from starlette.routing import Route
 from hicache.runtime.serving import params
 from hicache.runtime.serving.backend import TIERS, GenerateRequest, SamplingSpec, Tokens
 from hicache.runtime.serving.context import Context, Stream, context, generation_route, gone
-from hicache.runtime.serving.errors import JSON, bad_request, unavailable
+from hicache.runtime.serving.errors import JSON, bad_request, show, unavailable
 from hicache.runtime.serving.generation import Generation, Job, aclose_shielded
 from hicache.runtime.serving.params import Unsupported
 from hicache.runtime.serving.sse import DONE, EventStream, event
@@ -69,8 +69,24 @@ async def parse_generate(ctx: Context, body: dict[str, Any], tenant: str | None)
         len(input_ids), s.max_new_tokens, DEFAULT_MAX_NEW_TOKENS, ctx.info.max_context_tokens, "text"
     )
     stream = False if body.get("stream") is None else params.boolean(body.get("stream"), "stream")
-    req = GenerateRequest(ctx.new_rid(), input_ids, max_new, s.spec, tenant)
+    req = GenerateRequest(ctx.new_rid(), input_ids, max_new, s.spec, tenant, session_id(body))
     return Job("generate", req, s.stop, params.request_id(body.get("rid"), "rid")), stream
+
+
+def session_id(body: dict[str, Any]) -> str:
+    """SGLang's `session_params.id`: the conversation a session-affinity router keeps together."""
+    raw = body.get("session_params")
+    if raw is None:
+        return ""
+    if not isinstance(raw, dict):
+        raise bad_request("'session_params' must be an object", "session_params")
+    sid = raw.get("id")
+    if sid is None:
+        return ""
+    if isinstance(sid, bool) or not isinstance(sid, str | int):
+        where = "session_params.id"
+        raise bad_request(f"'{where}' must be a string or an integer, not {show(sid)}", where)
+    return params.text(str(sid), "session_params.id", allow_empty=True)
 
 
 def finish_reason(gen: Generation) -> dict[str, Any] | None:

@@ -1,5 +1,7 @@
-"""L3 page stores (installed as `hicache.runtime.storage`): a directory of page files and an
-in-memory store, behind one `StorageBackend` protocol."""
+"""L3 page stores (installed as `hicache.runtime.storage`): a directory of page files (bounded
+or not, sharded per tensor-parallel rank or not) and an in-memory store, behind one
+`StorageBackend` protocol. `nixl_store.NixlFileStore`, the file store moving its payloads with
+NIXL, is imported from its module only, since it needs the optional nixl package."""
 
 from hicache.runtime.storage.base import StorageBackend, StoreStats, key_name, key_value
 from hicache.runtime.storage.file_store import FileStore

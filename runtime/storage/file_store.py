@@ -6,7 +6,8 @@ A page file is a fixed-size header followed by the page's raw bytes:
     0      8     magic b"HICKVPG\\0"
     8      2     format version (2)
     10     2     header size (128)
-    12     4     reserved (0)
+    12     2     shard rank (0 when unsharded)
+    14     2     shard count (0 when unsharded, else the tensor-parallel size)
     16     8     page key
     24     20    page shape, 5 x uint32 (layers, 2, page_size, kv_heads, head_dim)
     44     16    dtype name, ASCII, NUL-padded
@@ -28,6 +29,15 @@ writers on this host that are gone, never a live neighbour's. Nothing outside th
 or written: file names come from validated keys only, sub-folders and page files are opened
 with O_NOFOLLOW (a symlink there is an error, never followed, also by the start-up clean-up).
 
+A store given a capacity keeps the directory's page files within it, together with every other
+bounded store on the directory: an index next to the pages (`.hicache-index.sqlite`, see
+`page_index.py` for the segmented-LRU policy and why) counts their bytes and orders them for
+eviction; one write transaction unlinks the victims, renames the new page into place and records
+it, so the files on disk never exceed the capacity by more than the temporaries being written.
+A reader that opened a page before it was evicted reads the whole file; after, it misses.
+A tensor-parallel rank's store keeps its pages under `ROOT/tp<N>/rank<r>/` with the shard in the
+header (under the MAC), so one rank's page never reads as another's.
+
 No input from the disk stops a node: every OS error of `exists`, `get` or `put` is a miss or a
 page reported not written (`stats.errors` counts them), logged once per kind (read or write,
 errno) with its reason on the `hicache.runtime.storage` logger; an error while opening the store
@@ -47,6 +57,7 @@ import os
 import re
 import secrets
 import socket
+import sqlite3
 import stat
 import struct
 from collections.abc import Sequence
@@ -60,18 +71,21 @@ from hicache.runtime.cluster_secret import SECRET_ENV, UntrustedSecret, ensure_s
 from hicache.runtime.kv_layout import KVLayout
 from hicache.runtime.kv_pool import KVPool, PageIndices
 from hicache.runtime.storage.base import Progress, StoreStats, check_batch, key_values
+from hicache.runtime.storage.page_index import INDEX_FILE, NoRoom, PageIndex
 
 logger = logging.getLogger("hicache.runtime.storage")
 
 MAGIC = b"HICKVPG\0"
 VERSION = 2
 MAC_SIZE = 32
-_SIGNED = struct.Struct("<8sHHIQ5I16sQ28x")  # the header fields the MAC follows
+_SIGNED = struct.Struct("<8sHHHHQ5I16sQ28x")  # the header fields the MAC follows
 HEADER = struct.Struct(_SIGNED.format + f"{MAC_SIZE}s")
 HEADER_SIZE = HEADER.size
 SUFFIX = ".kvpage"
 KEY_FILE = ".hicache-secret"
 _FANOUT = re.compile(r"[0-9a-f]{2}")
+_KEY_NAME = re.compile(r"[0-9a-f]{16}")
+_PAGE = re.compile(r"[0-9a-f]{16}\.kvpage")
 _TEMP = re.compile(r"\.[0-9a-f]{16}\.([0-9a-f]{8})\.([0-9]{1,10})\.[0-9a-f]{12}\.tmp")
 _KEY_PERSON = b"hicache-l3-key"
 _PAGE_PERSON = b"hicache-l3-page"
@@ -82,6 +96,7 @@ _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 # Conditions of the whole file system: the rest of a batch would fail the same way.
 _FS_WIDE = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})
+_DAMAGED_INDEX = frozenset({sqlite3.SQLITE_NOTADB, sqlite3.SQLITE_CORRUPT})
 _HINTS = {
     errno.ELOOP: "a symlink where a page file, sub-folder or key file must be; not followed",
     errno.ENOTDIR: "a page sub-folder that is not a directory",
@@ -103,13 +118,20 @@ def page_mac(key: bytes, signed: bytes, payload: bytes | memoryview | np.ndarray
     return h.digest()
 
 
-def pack_header(key: int, layout: KVLayout, payload: bytes | memoryview | np.ndarray, mac: bytes) -> bytes:
-    """The header of a page file holding `payload` under `key`, signed with MAC key `mac`."""
+def pack_header(
+    key: int,
+    layout: KVLayout,
+    payload: bytes | memoryview | np.ndarray,
+    mac: bytes,
+    shard: tuple[int, int] = (0, 0),
+) -> bytes:
+    """The header of a page file holding `payload` under `key`, signed with MAC key `mac`;
+    `shard` is (rank, tensor-parallel size) of a sharded store, (0, 0) otherwise."""
     signed = _SIGNED.pack(
         MAGIC,
         VERSION,
         HEADER_SIZE,
-        0,
+        *shard,
         key,
         *layout.page_shape,
         layout.dtype.encode("ascii"),
@@ -168,6 +190,9 @@ class _Outcome:
     failed: tuple[int, ...] = ()  # put: positions in the batch not written
     errors: tuple[OSError, ...] = ()  # one per page an OS error stopped
     cancelled: bool = False  # the calling task was cancelled: the thread stopped between pages
+    evicted: int = 0  # pages this batch's writes evicted
+    refused: int = 0  # put: pages larger than the capacity, or no room (in `failed`, not errors)
+    index_errors: tuple[OSError, ...] = ()  # uses the index could not record
 
 
 class FileStore:
@@ -184,6 +209,17 @@ class FileStore:
     a cancellation takes effect between batches. A cancelled `get` waits for its thread, which
     stops at the next page boundary: the pages it read are reported (`progress`), and nothing
     writes to the pool once `get` has raised.
+
+    `capacity_bytes` bounds the page files of the store's directory, headers included, shared
+    with every bounded store on that directory through its index (`page_index.py`: segmented
+    LRU, the policy and why); `protected_fraction` of it at most holds pages that were used
+    again. None joins the capacity a bounded store recorded in the directory's index (so a
+    reader such as a prefill node counts its uses too), and is unbounded where there is none; 0
+    is unbounded, as before, and keeps no index. A `get` hit and an `exists` hit are uses; a
+    `put` of a page already there is not. Evicting (unlinking victims, under the index's lock)
+    runs in the same worker threads as the writes. `rank` and `tp_size` open one tensor-parallel rank's
+    shard, `root/tp<tp_size>/rank<rank>/`, whose page headers name the shard (under the MAC), so
+    a rank never reads another's page; `tp_size=1` is the unsharded layout directly under `root`.
     """
 
     def __init__(
@@ -196,6 +232,10 @@ class FileStore:
         delete_corrupt: bool = False,
         threads: int = 2,
         chunk_bytes: int = 16 << 20,
+        capacity_bytes: int | None = None,
+        protected_fraction: float = 0.8,
+        rank: int = 0,
+        tp_size: int = 1,
     ) -> None:
         if len(layout.dtype) > 16:
             raise ValueError(f"FileStore: dtype name {layout.dtype!r} does not fit the 16-byte header field")
@@ -205,7 +245,19 @@ class FileStore:
             raise ValueError(f"FileStore.secret: expected bytes or str, got {type(secret).__name__}")
         if secret is not None and not secret:
             raise ValueError("FileStore.secret: an empty secret authenticates nothing")
+        if capacity_bytes is not None and (
+            isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes < 0
+        ):
+            raise ValueError(
+                f"FileStore.capacity_bytes: expected an int >= 0 or None, got {capacity_bytes!r}"
+            )
+        for name, value, low, high in (("tp_size", tp_size, 1, 0xFFFF), ("rank", rank, 0, tp_size - 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                raise ValueError(f"FileStore.{name}: expected an int in [{low}, {high}], got {value!r}")
         self.root = Path(root)
+        self.shard = (rank, tp_size) if tp_size > 1 else (0, 0)
+        self.pages_root = self.root / f"tp{tp_size}" / f"rank{rank}" if tp_size > 1 else self.root
+        self.capacity_bytes = capacity_bytes or 0  # None: set below if the directory has a capacity
         self.layout = layout
         self.fsync = fsync
         self.delete_corrupt = delete_corrupt
@@ -214,13 +266,18 @@ class FileStore:
         self._limiter = trio.CapacityLimiter(threads)
         self._closed = False
         self._logged: set[tuple[str, int | None]] = set()
+        self._index: PageIndex | None = None
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
+            self.pages_root.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             self._log_error("open", exc, "the store misses every page and writes none")
         self._mac, self.secret_source = self._secret(secret)
         logger.info("FileStore %s: page MACs keyed by the secret from %s", self.root, self.secret_source)
         self.leftovers_removed = self._remove_leftovers()
+        if self.capacity_bytes or capacity_bytes is None and _regular(self.pages_root / INDEX_FILE):
+            self._index = self._open_index(protected_fraction)
+            if self._index is not None:
+                self.capacity_bytes = self._index.capacity
 
     # ------------------------------------------------------------------------------------ setup
 
@@ -252,7 +309,7 @@ class FileStore:
         """Remove temporary files of writers on this host that are gone; follow no symlink."""
         removed = 0
         try:
-            root = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            root = os.open(self.pages_root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError as exc:
             self._log_error("open", exc, "no temporary files were cleaned up")
             return 0
@@ -289,6 +346,107 @@ class FileStore:
         m = _TEMP.fullmatch(name)
         return m is not None and m[1] == host_tag() and not _pid_alive(int(m[2]))
 
+    def _open_index(self, protected_fraction: float) -> PageIndex | None:
+        """The directory's shared index, aligned with the page files there. Without one (the
+        index file unusable) a bounded store cannot keep its capacity: it reads but writes none."""
+        path = self.pages_root / INDEX_FILE
+        try:
+            if path.is_symlink():
+                raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), str(path))
+            capacity = self.capacity_bytes or None  # None: join the capacity the index records
+            try:
+                index = PageIndex(path, capacity, protected_fraction=protected_fraction)
+            except NoRoom:
+                return None  # an index without a capacity: nothing to join, unbounded as before
+            except sqlite3.DatabaseError as exc:
+                if getattr(exc, "sqlite_errorcode", None) not in _DAMAGED_INDEX:
+                    raise
+                # Damaged: rebuilt from the page files, which are the truth it only summarises.
+                logger.warning("FileStore %s: index %s is damaged (%s); rebuilding it", self.root, path, exc)
+                for suffix in ("", "-wal", "-shm"):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(f"{path}{suffix}")
+                index = PageIndex(path, capacity, protected_fraction=protected_fraction)
+        except (OSError, sqlite3.Error, NoRoom) as exc:
+            self._log_error("open", _index_error(exc, path), "the store reads pages but writes none")
+            return None
+        try:
+            adopted, dropped, evicted = index.reconcile(self._scan(), self._page_file, self._remove_page)
+        except (OSError, sqlite3.Error) as exc:
+            self._log_error("open", _index_error(exc, path), "the index was not aligned with the files")
+        else:
+            self.stats.evicted += len(evicted)
+            if adopted or dropped or evicted:
+                logger.info(
+                    "FileStore %s: index adopted %d page files, dropped %d gone, evicted %d over capacity",
+                    self.pages_root,
+                    adopted,
+                    dropped,
+                    len(evicted),
+                )
+        return index
+
+    def _scan(self) -> dict[str, tuple[int, float]]:
+        """Every page file's name (its key in hex), size and mtime; what cannot be read is left out."""
+        found: dict[str, tuple[int, float]] = {}
+        try:
+            with os.scandir(self.pages_root) as entries:
+                folders = [e.name for e in entries if _FANOUT.fullmatch(e.name)]
+        except OSError as exc:
+            self._log_error("open", exc, "page files already there are not counted")
+            return found
+        for folder in folders:
+            try:
+                with os.scandir(self.pages_root / folder) as entries:
+                    for e in entries:
+                        name = e.name.removesuffix(SUFFIX)
+                        if _PAGE.fullmatch(e.name) and name.startswith(folder):
+                            st = e.stat(follow_symlinks=False)
+                            if stat.S_ISREG(st.st_mode):
+                                found[name] = (st.st_size, st.st_mtime)
+            except OSError as exc:
+                self._log_error("open", exc, "some page files already there are not counted")
+        return found
+
+    def _page_file(self, name: str) -> tuple[int, float] | None:
+        """Size and mtime of page file `name` (16 hex digits), None if it is not a regular file."""
+        if not isinstance(name, str) or not _KEY_NAME.fullmatch(name):
+            return None
+        try:
+            st = os.stat(self.pages_root / name[:2] / (name + SUFFIX), follow_symlinks=False)
+        except OSError:
+            return None
+        return (st.st_size, st.st_mtime) if stat.S_ISREG(st.st_mode) else None
+
+    def _remove_page(self, name: str) -> None:
+        """Evict page file `name`: one that is gone already counts as removed, and so does a
+        name that no page file can have (the index is input from the disk too)."""
+        if not isinstance(name, str) or not _KEY_NAME.fullmatch(name):
+            return
+        try:
+            folder = _open_dir(self.pages_root / name[:2])
+        except FileNotFoundError:
+            return
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                _unlink(name + SUFFIX, folder)
+        finally:
+            os.close(folder)
+
+    def _touch(self, keys: list[int]) -> tuple[OSError, ...]:
+        """Count a use of pages just found (worker thread); an index error only costs recency."""
+        if self._index is None or not keys:
+            return ()
+        try:
+            self._index.touch(f"{k:016x}" for k in keys)
+        except sqlite3.Error as exc:
+            return (_index_error(exc, self._index.path),)
+        return ()
+
+    def used_bytes(self) -> int:
+        """Bytes of page files the directory's index counts (0 for an unbounded store). Blocks."""
+        return self._index.used() if self._index is not None else 0
+
     # ------------------------------------------------------------------------------------ paths
 
     def path(self, key: object) -> Path:
@@ -297,11 +455,11 @@ class FileStore:
 
     def _path(self, key: int) -> Path:
         name = f"{key:016x}"
-        return self.root / name[:2] / (name + SUFFIX)
+        return self.pages_root / name[:2] / (name + SUFFIX)
 
     def _open_folder(self, key: int, *, create: bool) -> int:
         """An fd of the key's sub-folder; ELOOP if it is a symlink, ENOTDIR if not a folder."""
-        folder = self.root / f"{key:016x}"[:2]
+        folder = self.pages_root / f"{key:016x}"[:2]
         if create:
             with contextlib.suppress(FileExistsError):
                 os.mkdir(folder)
@@ -332,6 +490,8 @@ class FileStore:
         consequence = "the page reads as a miss" if op == "read" else "the page is reported not written"
         for exc in out.errors:
             self._log_error(op, exc, consequence)
+        for exc in out.index_errors:
+            self._log_error("index", exc, "a use of a page was not recorded (its recency is older)")
 
     # ------------------------------------------------------------------------------------- API
 
@@ -382,25 +542,34 @@ class FileStore:
         await trio.lowlevel.checkpoint()
         rows = pool.bytes_view().numpy()
         failed: list[int] = []
+        gone: set[int] = set()  # keys of this batch evicted again by its own later pages
+        refused = 0
         for start in range(0, len(values), self._chunk_pages):
             end = start + self._chunk_pages
             out = await trio.to_thread.run_sync(
-                self._write_pages, values[start:end], idx[start:end], rows, limiter=self._limiter
+                self._write_pages, values[start:end], idx[start:end], rows, gone, limiter=self._limiter
             )
             self.stats.written += out.done
             self.stats.skipped += out.skipped
+            self.stats.evicted += out.evicted
             self.stats.bytes_written += out.done * self.layout.page_bytes
             self._log_errors(out, "write")
             failed += [start + j for j in out.failed]
+            refused += out.refused
             if out.errors and out.errors[-1].errno in _FS_WIDE:
                 failed += range(end, len(values))  # the file system refuses: do not try the rest
                 break
-        self.stats.errors += len(failed)
+        self.stats.errors += len(failed) - refused
+        if gone:  # a batch larger than the capacity evicts some of its own pages again
+            failed = sorted({*failed, *(i for i, key in enumerate(values) if key in gone)})
         return failed
 
     async def aclose(self) -> None:
         self._closed = True
-        await trio.lowlevel.checkpoint()
+        if self._index is not None:
+            await trio.to_thread.run_sync(self._index.close, limiter=self._limiter)
+        else:
+            await trio.lowlevel.checkpoint()
 
     # ---------------------------------------------------------------------- worker-thread side
 
@@ -414,17 +583,22 @@ class FileStore:
                 finally:
                     os.close(folder)
             except FileNotFoundError:
-                return _Outcome(done=i)
+                return _Outcome(done=i, index_errors=self._touch(keys[:i]))
             except OSError as exc:
-                return _Outcome(done=i, errors=(exc,))
+                return _Outcome(done=i, errors=(exc,), index_errors=self._touch(keys[:i]))
             if stat.S_ISLNK(st.st_mode) or stat.S_ISDIR(st.st_mode):  # what `get` would meet
                 code = errno.ELOOP if stat.S_ISLNK(st.st_mode) else errno.EISDIR
-                return _Outcome(done=i, errors=(OSError(code, os.strerror(code), str(self._path(key))),))
+                exc = OSError(code, os.strerror(code), str(self._path(key)))
+                return _Outcome(done=i, errors=(exc,), index_errors=self._touch(keys[:i]))
             if not stat.S_ISREG(st.st_mode) or st.st_size != size:
-                return _Outcome(done=i)
-        return _Outcome(done=len(keys))
+                return _Outcome(done=i, index_errors=self._touch(keys[:i]))
+        return _Outcome(done=len(keys), index_errors=self._touch(keys))
 
     def _read_pages(self, keys: list[int], pages: list[int], rows: np.ndarray) -> _Outcome:
+        out = self._read_pages_untouched(keys, pages, rows)
+        return attrs.evolve(out, index_errors=self._touch(keys[: out.done]))
+
+    def _read_pages_untouched(self, keys: list[int], pages: list[int], rows: np.ndarray) -> _Outcome:
         for i, (key, page) in enumerate(zip(keys, pages, strict=True)):
             if i and _caller_cancelled():
                 return _Outcome(done=i, cancelled=True)
@@ -473,73 +647,120 @@ class FileStore:
         header = f.read(HEADER_SIZE)
         if len(header) != HEADER_SIZE or not self._header_matches(key, header):
             return False
-        if _read_full(f, memoryview(out)) != out.nbytes:
+        if self._read_payload(fd, out) != out.nbytes:
             return False
         expected = page_mac(self._mac, header[: _SIGNED.size], out)
         return hmac.compare_digest(header[_SIGNED.size :], expected)
 
+    def _read_payload(self, fd: int, out: np.ndarray) -> int:
+        """Read a page's payload, which starts at HEADER_SIZE, into `out`; the bytes read."""
+        os.lseek(fd, HEADER_SIZE, os.SEEK_SET)
+        return _read_full(io.FileIO(fd, "rb", closefd=False), memoryview(out))
+
+    def _write_payload(self, fd: int, payload: np.ndarray) -> None:
+        """Write a page's payload after its header (the file holds just the header so far)."""
+        _write_all(fd, memoryview(payload))
+
     def _header_matches(self, key: int, header: bytes) -> bool:
-        magic, version, header_size, _, stored_key, *rest = HEADER.unpack(header)
+        magic, version, header_size, rank, count, stored_key, *rest = HEADER.unpack(header)
         shape, dtype, length = tuple(rest[:5]), rest[5], rest[6]
         return (
             magic == MAGIC
             and version == VERSION
             and header_size == HEADER_SIZE
+            and (rank, count) == self.shard
             and stored_key == key
             and shape == self.layout.page_shape
             and dtype.rstrip(b"\0") == self.layout.dtype.encode("ascii")
             and length == self.layout.page_bytes
         )
 
-    def _write_pages(self, keys: list[int], pages: list[int], rows: np.ndarray) -> _Outcome:
-        written = skipped = 0
+    def _write_pages(self, keys: list[int], pages: list[int], rows: np.ndarray, gone: set[int]) -> _Outcome:
+        written = skipped = refused = 0
         failed: list[int] = []
         errors: list[OSError] = []
+        evicted = 0
         for j, (key, page) in enumerate(zip(keys, pages, strict=True)):
             try:
-                if self._write_page(key, rows[page]):
+                victims = self._write_page(key, rows[page])
+                if victims is not None:
                     written += 1
+                    evicted += len(victims)
+                    gone.discard(key)
+                    gone.update(victims)
                 else:
                     skipped += 1
+            except NoRoom as exc:
+                failed.append(j)
+                refused += 1
+                self._log_refusal(exc)
             except OSError as exc:
                 failed.append(j)
                 errors.append(exc)
                 if exc.errno in _FS_WIDE:
                     failed += range(j + 1, len(keys))
                     break
-        return _Outcome(done=written, skipped=skipped, failed=tuple(failed), errors=tuple(errors))
+        return _Outcome(
+            done=written,
+            skipped=skipped,
+            failed=tuple(failed),
+            errors=tuple(errors),
+            evicted=evicted,
+            refused=refused,
+        )
 
-    def _write_page(self, key: int, payload: np.ndarray) -> bool:
-        """Write one page unless a whole-sized page file is there already (False); OS errors
-        raise, and leave no temporary file behind."""
+    def _log_refusal(self, exc: NoRoom) -> None:
+        if ("capacity", None) not in self._logged:
+            self._logged.add(("capacity", None))
+            logger.warning("FileStore %s: a page was not written: %s", self.pages_root, exc)
+
+    def _write_page(self, key: int, payload: np.ndarray) -> list[int] | None:
+        """Write one page unless a whole-sized page file is there already (None), evicting for
+        it in a bounded store; return the keys evicted. OS errors raise, and leave no temporary
+        file behind."""
         name = f"{key:016x}{SUFFIX}"
+        if self.capacity_bytes and self._index is None:
+            raise OSError(errno.EIO, "no usable page index, so no room can be counted", str(self.pages_root))
         folder = self._open_folder(key, create=True)
         try:
             try:
                 st = os.stat(name, dir_fd=folder, follow_symlinks=False)
                 if stat.S_ISREG(st.st_mode) and st.st_size == HEADER_SIZE + payload.nbytes:
-                    return False
+                    return None
             except FileNotFoundError:
                 pass
             tmp = temp_name(key)
             fd = os.open(tmp, _CREATE_FLAGS, 0o666, dir_fd=folder)
             try:
                 try:
-                    _write_all(fd, pack_header(key, self.layout, payload, self._mac))
-                    _write_all(fd, memoryview(payload))
+                    _write_all(fd, pack_header(key, self.layout, payload, self._mac, self.shard))
+                    self._write_payload(fd, payload)
                     if self.fsync:
                         os.fsync(fd)
                 finally:
                     os.close(fd)
-                # Replaces whatever is at the name (a symlink included) without following it.
-                os.replace(tmp, name, src_dir_fd=folder, dst_dir_fd=folder)
+
+                def place() -> None:
+                    # Replaces whatever is at the name (a symlink included) without following it.
+                    os.replace(tmp, name, src_dir_fd=folder, dst_dir_fd=folder)
+
+                victims: list[str] = []
+                if self._index is None:
+                    place()
+                else:
+                    try:
+                        victims = self._index.admit(
+                            f"{key:016x}", HEADER_SIZE + payload.nbytes, place, self._remove_page
+                        )
+                    except sqlite3.Error as exc:
+                        raise _index_error(exc, self._index.path) from exc
             except BaseException:
                 with contextlib.suppress(OSError):
                     os.unlink(tmp, dir_fd=folder)
                 raise
             if self.fsync:
                 os.fsync(folder)
-            return True
+            return [int(v, 16) for v in victims if isinstance(v, str) and _KEY_NAME.fullmatch(v)]
         finally:
             os.close(folder)
 
@@ -556,6 +777,26 @@ def _open_dir(path: str | Path, dir_fd: int | None = None) -> int:
         if link:
             raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), str(path)) from exc
         raise
+
+
+def _regular(path: Path) -> bool:
+    """Whether `path` is a regular file (not followed if a symlink)."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _unlink(name: str, folder: int) -> None:
+    """Remove an evicted page file (a seam for tests of a refused eviction)."""
+    os.unlink(name, dir_fd=folder)
+
+
+def _index_error(exc: OSError | sqlite3.Error, path: Path) -> OSError:
+    """An error of the page index as the OSError the store logs and counts."""
+    if isinstance(exc, OSError):
+        return exc
+    return OSError(errno.EIO, f"page index: {exc}", str(path))
 
 
 def _caller_cancelled() -> bool:

@@ -173,6 +173,22 @@ def page_array(pages: Sequence[int] | np.ndarray, region: MemoryRegion, what: st
     return arr
 
 
+@attrs.frozen
+class Span:
+    """Bytes [offset, offset + length) of every page of a WRITE: one layer group's share of a
+    page (a page holds its layers one after another), so KV can leave as prefill computes it."""
+
+    offset: int
+    length: int
+
+    def check(self, page_bytes: int) -> None:
+        if not (self.offset >= 0 and self.length > 0 and self.offset + self.length <= page_bytes):
+            raise ValueError(
+                f"span: expected 0 <= offset and 0 < length with offset + length <= the page's "
+                f"{page_bytes} bytes, got offset {self.offset}, length {self.length}"
+            )
+
+
 def open_request(
     engine: str,
     peers: Mapping[str, Any],
@@ -482,7 +498,14 @@ class TransferEngine(Protocol):
         remote_region: str,
         remote_pages: Sequence[int] | np.ndarray,
         notif: bytes = b"",
-    ) -> XferHandle: ...
+        *,
+        span: Span | None = None,
+        final: bool = True,
+    ) -> XferHandle:
+        """`span` (WRITE only): move just those bytes of each page. `final` False: `notif` tags
+        the WRITE for `fence` but is not delivered — a transfer sent as several span WRITEs
+        delivers its notification with the last one, posted once the others are done."""
+        ...
 
     def state(self, handle: XferHandle) -> XferState: ...
 

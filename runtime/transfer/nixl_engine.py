@@ -43,6 +43,7 @@ from hicache.runtime.transfer.base import (
     NotifQueue,
     Op,
     PeerInfo,
+    Span,
     XferBook,
     XferHandle,
     XferRecord,
@@ -75,12 +76,14 @@ class _Region:
     reg_descs: Any
     descs: DescList
     prepped: Any
+    spans: dict[tuple[int, int], Any] = attrs.field(factory=dict)  # (offset, length) -> prepped
 
 
 @attrs.define(eq=False)
 class _Peer:
     info: PeerInfo
     prepped: dict[str, Any] = attrs.field(factory=dict)
+    spans: dict[tuple[str, int, int], Any] = attrs.field(factory=dict)  # (region, offset, length)
 
 
 @attrs.define(eq=False)
@@ -197,9 +200,11 @@ class NixlEngine:
         steps += [("release transfer", h.release) for h, _ in self._to_release]
         for peer_name, peer in self._peers.items():
             steps += [("release remote descriptors", h.release) for h in peer.prepped.values()]
+            steps += [("release remote span descriptors", h.release) for h in peer.spans.values()]
             steps.append(("remove peer", lambda n=peer_name: agent.remove_remote_agent(n)))
         for reg in self._regions.values():
             steps.append(("release local descriptors", reg.prepped.release))
+            steps += [("release local span descriptors", h.release) for h in reg.spans.values()]
             steps.append(("deregister", lambda r=reg.reg_descs: agent.deregister_memory(r)))
         for what, step in steps:
             try:
@@ -294,7 +299,10 @@ class NixlEngine:
         if peer is None:
             return
         with self._lock:
-            steps = [("release remote descriptors", h.release) for h in peer.prepped.values()]
+            steps = [
+                ("release remote descriptors", h.release)
+                for h in [*peer.prepped.values(), *peer.spans.values()]
+            ]
             steps.append(("remove peer", lambda: self._agent.remove_remote_agent(name)))
             for what, step in steps:
                 try:
@@ -306,7 +314,7 @@ class NixlEngine:
         with self._lock:
             old = self._peers.pop(peer.name, None)
             if old is not None:
-                for h in old.prepped.values():
+                for h in [*old.prepped.values(), *old.spans.values()]:
                     h.release()
             loaded = self._agent.add_remote_agent(peer.fields["nixl_md"])
             loaded = loaded.decode("utf-8") if isinstance(loaded, bytes) else str(loaded)
@@ -328,9 +336,16 @@ class NixlEngine:
         remote_region: str,
         remote_pages: Sequence[int] | np.ndarray,
         notif: bytes = b"",
+        *,
+        span: Span | None = None,
+        final: bool = True,
     ) -> XferHandle:
         nursery = self._started()
         reg = self._local(local)
+        if span is not None:
+            if op != "WRITE":
+                raise ValueError(f"span: only a WRITE moves part of each page, not a {op}")
+            span.check(local.page_bytes)
         p, lp, rp, rec = open_request(
             self._name,
             self._peers,
@@ -343,14 +358,21 @@ class NixlEngine:
             remote_pages,
             notif,
         )
+        local_h, remote_h = reg.prepped, p.prepped[remote_region]
+        if span is not None:  # descriptors of that part of every page, prepared once per span
+            local_h, remote_h = await trio.to_thread.run_sync(
+                self._span_dlists, reg, p, remote_region, span, limiter=self._limiter
+            )
         posted = self._posted[rec.handle.xid] = _Posted()
+        # One-sided: a part that is not the last carries no notification (the initiator's
+        # `settle` is what stops a WRITE here, not a fence on the target).
         args = (
             op,
-            reg.prepped,
+            local_h,
             lp.astype(np.int32),
-            p.prepped[remote_region],
+            remote_h,
             rp.astype(np.int32),
-            bytes(notif),
+            bytes(notif) if final else b"",
         )
         nursery.start_soon(self._drive, rec, posted, peer, args)
         await trio.lowlevel.checkpoint()
@@ -378,6 +400,25 @@ class NixlEngine:
             return
         rec.finish(XferState(status), None if status == "DONE" else "NIXL reported ERR at post")
         self._retire(rec.handle.xid)
+
+    def _span_dlists(self, reg: _Region, peer: _Peer, remote_region: str, span: Span) -> tuple[Any, Any]:
+        """Prepared descriptors of bytes [offset, offset + length) of every page, on both sides."""
+        with self._lock:
+            key = (span.offset, span.length)
+            local = reg.spans.get(key)
+            if local is None:
+                rows = _span_rows(reg.descs.as_array(), span)
+                local = reg.spans[key] = self._agent.prep_xfer_dlist(
+                    "NIXL_INIT_AGENT", rows, reg.region.mem_type
+                )
+            remote = peer.spans.get((remote_region, *key))
+            if remote is None:
+                r = peer.info.region(remote_region)
+                rows = _span_rows(DescList.for_region(r).as_array(), span)
+                remote = peer.spans[(remote_region, *key)] = self._agent.prep_xfer_dlist(
+                    peer.info.name, rows, r.mem_type
+                )
+            return local, remote
 
     def _post_sync(
         self,
@@ -499,3 +540,11 @@ class NixlEngine:
 
     def notifs(self) -> list[tuple[str, bytes]]:
         return self._notifs.drain()
+
+
+def _span_rows(rows: np.ndarray, span: Span) -> np.ndarray:
+    """Per-page descriptor rows `(address, length, device)` narrowed to `span` of each page."""
+    out = rows.copy()
+    out[:, 0] += np.uint64(span.offset)
+    out[:, 1] = np.uint64(span.length)
+    return out

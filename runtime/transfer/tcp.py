@@ -28,6 +28,10 @@ then `notif` (notif_len bytes), then, for WRITE and READ_DATA, `count * page_byt
   fields of exactly 16, 48 and 32 bytes, and AUTH no name.
 - WRITE (name = target region, indices = target pages) carries the pages; the target writes them
   into its region, queues the notification, then answers ACK.
+- WRITE_SPAN is a WRITE of bytes [offset, offset + page_bytes) of each page only (one layer
+  group's share: KV streamed while prefill computes it): after the indices come `offset u32 |
+  final u32`, and the notification is queued only when `final` is 1 (the transfer's last
+  span); a non-final span's notif still tags it for `fence`.
 - READ (name = source region, indices = source pages) is answered by READ_DATA with the pages in
   the requested order; once it has them all, the initiator sends READ_DONE and the target queues
   the notification.
@@ -95,6 +99,7 @@ from hicache.runtime.transfer.base import (
     NotifQueue,
     Op,
     PeerInfo,
+    Span,
     XferBook,
     XferHandle,
     XferRecord,
@@ -107,8 +112,10 @@ if TYPE_CHECKING:
     import torch
 
 MAGIC = b"HCKV"
-VERSION = 2  # 2: the handshake proves the cluster secret (HELLO nonce, HELLO_ACK proof, AUTH)
+# 2: the handshake proves the cluster secret (HELLO nonce, HELLO_ACK proof, AUTH); 3: WRITE_SPAN
+VERSION = 3
 HEADER = struct.Struct("<4sBBHQIQI")
+SPAN = struct.Struct("<II")  # a WRITE_SPAN's offset into each page, and whether it is the last
 INDEX_DTYPE = np.dtype("<u4")
 # Buffers per sendmsg/recvmsg_into call (Linux IOV_MAX is 1024).
 IOV_BATCH = 256
@@ -131,9 +138,10 @@ class Msg(enum.IntEnum):
     READ_DONE = 7
     ERROR = 8
     AUTH = 9
+    WRITE_SPAN = 10
 
 
-PAGE_MSGS = frozenset({Msg.WRITE, Msg.READ, Msg.READ_DATA})
+PAGE_MSGS = frozenset({Msg.WRITE, Msg.READ, Msg.READ_DATA, Msg.WRITE_SPAN})
 # The handshake messages' notif fields: exactly this many bytes (nonces and proofs).
 HANDSHAKE_NOTIF = {
     Msg.HELLO: NONCE_BYTES,
@@ -272,7 +280,7 @@ class Conn:
                 raise ProtocolError(f"{t.name}: notif of {notif_len} bytes, expected {HANDSHAKE_NOTIF[t]}")
             if t is Msg.AUTH and name_len:
                 raise ProtocolError(f"AUTH: carries no name, got name_len={name_len}")
-        elif t not in (Msg.WRITE, Msg.READ, Msg.ERROR) and notif_len:
+        elif t not in (Msg.WRITE, Msg.WRITE_SPAN, Msg.READ, Msg.ERROR) and notif_len:
             raise ProtocolError(f"{t.name}: carries no notif, got notif_len={notif_len}")
         name = bytes(await self.recv_exactly(name_len))
         return Frame(t, xid, name, count, page_bytes, notif_len)
@@ -289,9 +297,12 @@ class _Region:
     pages: np.ndarray  # uint8 [num_pages, page_bytes] sharing the tensor's memory
     descs: DescList
 
-    def views(self, idx: np.ndarray) -> list[memoryview]:
+    def views(self, idx: np.ndarray, span: Span | None = None) -> list[memoryview]:
         pages = self.pages
-        return [memoryview(pages[i]) for i in idx.tolist()]
+        if span is None:
+            return [memoryview(pages[i]) for i in idx.tolist()]
+        lo, hi = span.offset, span.offset + span.length
+        return [memoryview(pages[i, lo:hi]) for i in idx.tolist()]
 
 
 @attrs.define(eq=False)
@@ -314,8 +325,9 @@ class _Peer:
 class TcpEngine:
     """The TCP transfer engine; use as `async with TcpEngine() as engine:`.
 
-    `host` is both the address it listens on and the one `local_info()` tells peers to dial;
-    `port=0` picks a free port and `local_info()` reports the bound one. Regions must be host
+    `host` is the address it listens on and, unless `advertise` names another (a node bound to
+    every interface has to give peers an address they can dial), the one `local_info()` tells
+    peers to dial; `port=0` picks a free port and `local_info()` reports the bound one. Regions must be host
     memory (CPU tensors or numpy arrays). `aclose()` (or leaving the `async with`) ends every
     transfer in flight with `ERR`, closes all connections and makes `next_notif()` raise
     `trio.EndOfChannel` once the queued notifications are read.
@@ -340,6 +352,7 @@ class TcpEngine:
         streams_per_peer: int = 4,
         handshake_timeout_s: float = 5.0,
         secret: ClusterSecret | None = None,
+        advertise: str | None = None,
     ) -> None:
         if streams_per_peer < 1:
             raise ValueError(f"streams_per_peer: expected >= 1, got {streams_per_peer}")
@@ -352,6 +365,7 @@ class TcpEngine:
         self._name_b = self._name.encode("utf-8")
         self._secret = secret if secret is not None else ClusterSecret.load()
         self._host = host
+        self._advertise = advertise or host
         self._port_wanted = port
         self._port: int | None = None
         self._streams_per_peer = streams_per_peer
@@ -446,7 +460,7 @@ class TcpEngine:
         return reg
 
     def local_info(self) -> bytes:
-        fields = {"host": self._host.encode("utf-8"), "port": self.port.to_bytes(2, "little")}
+        fields = {"host": self._advertise.encode("utf-8"), "port": self.port.to_bytes(2, "little")}
         regions = tuple(r.region for r in self._regions.values())
         return PeerInfo(self.kind, self._name, fields, regions).encode()
 
@@ -500,9 +514,16 @@ class TcpEngine:
         remote_region: str,
         remote_pages: Sequence[int] | np.ndarray,
         notif: bytes = b"",
+        *,
+        span: Span | None = None,
+        final: bool = True,
     ) -> XferHandle:
         nursery = self._started()
         reg = self._local(local)
+        if span is not None:
+            if op != "WRITE":
+                raise ValueError(f"span: only a WRITE moves part of each page, not a {op}")
+            span.check(local.page_bytes)
         p, lp, rp, rec = open_request(
             self._name,
             self._peers,
@@ -518,7 +539,8 @@ class TcpEngine:
         scope = trio.CancelScope()
         self._scopes[rec.handle.xid] = scope
         self._runs[rec.handle.xid] = trio.Event()
-        nursery.start_soon(self._run, rec, scope, p, op, reg, lp, remote_region, rp, bytes(notif))
+        args = (rec, scope, p, op, reg, lp, remote_region, rp, bytes(notif), span, final)
+        nursery.start_soon(self._run, *args)
         await trio.lowlevel.checkpoint()
         return rec.handle
 
@@ -582,6 +604,8 @@ class TcpEngine:
         remote_region: str,
         rp: np.ndarray,
         notif: bytes,
+        span: Span | None = None,
+        final: bool = True,
     ) -> None:
         try:
             with scope:
@@ -591,7 +615,7 @@ class TcpEngine:
                         reusable = False
                         try:
                             if op == "WRITE":
-                                await self._write(conn, rec, reg, lp, remote_region, rp, notif)
+                                await self._write(conn, rec, reg, lp, remote_region, rp, notif, span, final)
                             else:
                                 await self._read(conn, rec, reg, lp, remote_region, rp, notif)
                             reusable = rec.state is XferState.DONE
@@ -668,13 +692,20 @@ class TcpEngine:
         region: str,
         rp: np.ndarray,
         notif: bytes,
+        span: Span | None = None,
+        final: bool = True,
     ) -> None:
         xid = rec.handle.xid
-        head = encode_header(
-            Msg.WRITE, xid, region.encode("utf-8"), len(rp), reg.region.page_bytes, len(notif)
-        )
+        name = region.encode("utf-8")
+        indices = rp.astype(INDEX_DTYPE).tobytes()
+        if span is None:
+            head = encode_header(Msg.WRITE, xid, name, len(rp), reg.region.page_bytes, len(notif))
+            parts = [head, indices, notif]
+        else:
+            head = encode_header(Msg.WRITE_SPAN, xid, name, len(rp), span.length, len(notif))
+            parts = [head, indices, SPAN.pack(span.offset, int(final)), notif]
         try:
-            await conn.send([head, rp.astype(INDEX_DTYPE).tobytes(), notif, *reg.views(lp)])
+            await conn.send([*parts, *reg.views(lp, span)])
         except _NET_ERRORS:
             # The target may have refused the request and closed: report its reason if it sent one.
             with trio.move_on_after(0.5):
@@ -742,7 +773,7 @@ class TcpEngine:
                 while True:
                     f = await conn.recv_frame(boundary=True)
                     xid = f.xid
-                    if f.type is Msg.WRITE:
+                    if f.type in (Msg.WRITE, Msg.WRITE_SPAN):
                         await self._serve_write(conn, peer, f)
                     elif f.type is Msg.READ:
                         await self._serve_read(conn, peer, f)
@@ -789,8 +820,10 @@ class TcpEngine:
             raise ProtocolError(f"HELLO from {peer!r}: not a peer {self._name!r} knows (removed)")
         return peer
 
-    async def _request(self, conn: Conn, f: Frame) -> tuple[_Region, np.ndarray, bytes]:
-        """Check a WRITE/READ request against the region before reading its indices and notif."""
+    async def _request(self, conn: Conn, f: Frame) -> tuple[_Region, np.ndarray, bytes, Span | None, bool]:
+        """Check a WRITE/READ request against the region before reading its indices, span and
+        notif; returns the region, the pages, the notif, the span (WRITE_SPAN) and whether the
+        notification is to be delivered."""
         try:
             name = f.name.decode("utf-8")
         except UnicodeDecodeError:
@@ -799,7 +832,13 @@ class TcpEngine:
         if reg is None:
             raise ProtocolError(f"{f.type.name}: unknown region {name!r}")
         region = reg.region
-        if f.page_bytes != region.page_bytes:
+        if f.type is Msg.WRITE_SPAN:
+            if not 0 < f.page_bytes <= region.page_bytes:
+                raise ProtocolError(
+                    f"WRITE_SPAN: {f.page_bytes} bytes per page, region {name!r} has pages of "
+                    f"{region.page_bytes}"
+                )
+        elif f.page_bytes != region.page_bytes:
             raise ProtocolError(
                 f"{f.type.name}: page_bytes {f.page_bytes}, region {name!r} has {region.page_bytes}"
             )
@@ -812,15 +851,24 @@ class TcpEngine:
                 raise ProtocolError(
                     f"{f.type.name}: page {top} out of range for region {name!r} of {region.num_pages}"
                 )
-            if f.type is Msg.WRITE and len(np.unique(idx)) != len(idx):
-                raise ProtocolError(f"WRITE: destination pages repeat in region {name!r}")
+            if f.type in (Msg.WRITE, Msg.WRITE_SPAN) and len(np.unique(idx)) != len(idx):
+                raise ProtocolError(f"{f.type.name}: destination pages repeat in region {name!r}")
+        span, final = None, True
+        if f.type is Msg.WRITE_SPAN:
+            offset, last = SPAN.unpack(await conn.recv_exactly(SPAN.size))
+            if last not in (0, 1) or offset + f.page_bytes > region.page_bytes:
+                raise ProtocolError(
+                    f"WRITE_SPAN: offset {offset} + {f.page_bytes} bytes past the region's pages of "
+                    f"{region.page_bytes}, or final {last} not 0 or 1"
+                )
+            span, final = Span(offset, f.page_bytes), bool(last)
         notif = bytes(await conn.recv_exactly(f.notif_len))
-        return reg, idx.astype(np.int64), notif
+        return reg, idx.astype(np.int64), notif, span, final
 
     async def _serve_write(self, conn: Conn, peer: str, f: Frame) -> None:
-        reg, idx, notif = await self._request(conn, f)
+        reg, idx, notif, span, final = await self._request(conn, f)
         if not notif:
-            await conn.recv_into(reg.views(idx))
+            await conn.recv_into(reg.views(idx, span))
         else:
             if notif in self._fenced:
                 raise ProtocolError(f"WRITE {notif[:64]!r}: fenced (the target gave up on this transfer)")
@@ -829,17 +877,18 @@ class TcpEngine:
             landing = self._landing[notif] = _Landing()
             try:
                 with landing.scope:
-                    await conn.recv_into(reg.views(idx))
+                    await conn.recv_into(reg.views(idx, span))
             finally:
                 del self._landing[notif]
                 landing.left.set()
             if landing.scope.cancelled_caught:
                 raise ProtocolError(f"WRITE {notif[:64]!r}: fenced while landing")
-            self._notifs.put(peer, notif)
+            if final:
+                self._notifs.put(peer, notif)
         await conn.send([encode_header(Msg.ACK, f.xid)])
 
     async def _serve_read(self, conn: Conn, peer: str, f: Frame) -> None:
-        reg, idx, notif = await self._request(conn, f)
+        reg, idx, notif, _, _ = await self._request(conn, f)
         head = encode_header(Msg.READ_DATA, f.xid, count=len(idx), page_bytes=reg.region.page_bytes)
         await conn.send([head, *reg.views(idx)])
         done = await conn.recv_frame()

@@ -1,4 +1,5 @@
-"""Routers: which prefill and which decode node serve a request.
+"""Routers: which prefill and which decode node serve a request (the simulator's cluster and the
+runtime's front door both ask these).
 
 - `round_robin`: in turn, ignoring content;
 - `session_affinity`: every request of a session to the same node (a stable hash of the

@@ -1,0 +1,134 @@
+"""L3 file store throughput with eviction off and on (a script, not a test).
+
+Usage: python bench/store_bench.py [--page-kib 64,1024] [--total-mib 256] [--batch 32]
+                                   [--repeat 5] [--dir DIR] [--nixl]
+
+For each page size, in a fresh directory per run: `put` of `--total-mib` of new pages in
+batches of `--batch` (one `put` call per batch), then `get` of the pages the store still holds,
+in the same batches. "unbounded" is `FileStore` without a capacity (no index); "bounded" has a
+capacity of half the pages written, so every put past the first half evicts one page (an unlink
+and index update under the index's lock) and every get hit records a use in the index. With
+`--nixl`, the same two runs of `NixlFileStore` (payloads through NIXL's POSIX backend). MB/s
+are payload bytes per second (10^6); files live in the page cache unless `--dir` is on a disk
+that the run outgrows. Best and median of `--repeat` runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+try:
+    import hicache.runtime  # noqa: F401  (only probing whether the package is importable)
+except ImportError:
+    sys.exit("bench/store_bench.py needs the project installed: pip install -e .[runtime]")
+
+import torch  # noqa: E402
+import trio  # noqa: E402
+
+from hicache.runtime.kv_layout import KVLayout  # noqa: E402
+from hicache.runtime.kv_pool import KVPool  # noqa: E402
+from hicache.runtime.storage.file_store import HEADER_SIZE, FileStore  # noqa: E402
+
+TOKEN_LAYER_BYTES = 2 * 8 * 128 * 2  # K and V of one token in one layer: 8 KV heads x 128 x bf16
+
+
+def layout_for(page_bytes: int) -> KVLayout:
+    """A Llama-like bf16 page (8 KV heads of 128) of exactly `page_bytes`."""
+    tokens_layers = page_bytes // TOKEN_LAYER_BYTES
+    if tokens_layers * TOKEN_LAYER_BYTES != page_bytes or tokens_layers < 1:
+        raise SystemExit(f"--page-kib: {page_bytes // 1024} KiB is not a multiple of 4 KiB")
+    layers = min(32, tokens_layers)
+    while tokens_layers % layers:
+        layers -= 1
+    return KVLayout(
+        layers=layers, kv_heads=8, head_dim=128, page_size=tokens_layers // layers, dtype="bfloat16"
+    )
+
+
+async def one_run(
+    store_class: type[FileStore], root: Path, layout: KVLayout, pages: int, batch: int, bounded: bool
+):
+    capacity = (pages // 2) * (HEADER_SIZE + layout.page_bytes) if bounded else 0
+    store = store_class(root, layout, secret=b"bench", capacity_bytes=capacity)
+    src = KVPool(layout, batch, name="src")
+    src.bytes_view().copy_(
+        torch.from_numpy(
+            np.random.default_rng(0).integers(0, 256, (batch, layout.page_bytes), dtype=np.uint8)
+        )
+    )
+    dst = KVPool(layout, batch, name="dst")
+    dst.bytes_view().fill_(0)
+    keys = list(range(1, pages + 1))
+    t0 = time.perf_counter()
+    for start in range(0, pages, batch):
+        chunk = keys[start : start + batch]
+        await store.put(chunk, src, range(len(chunk)))
+    put_s = time.perf_counter() - t0
+    held = keys[pages // 2 :] if bounded else keys
+    t0 = time.perf_counter()
+    got = 0
+    for start in range(0, len(held), batch):
+        chunk = held[start : start + batch]
+        got += await store.get(chunk, dst, range(len(chunk)))
+    get_s = time.perf_counter() - t0
+    assert got == len(held), (got, len(held))
+    evicted = store.stats.evicted
+    await store.aclose()
+    mb = layout.page_bytes / 1e6
+    return pages * mb / put_s, got * mb / get_s, evicted
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--page-kib", default="64,1024")
+    parser.add_argument("--total-mib", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument(
+        "--dir", type=Path, default=None, help="where the stores go (default: a temporary folder)"
+    )
+    parser.add_argument("--nixl", action="store_true", help="also NixlFileStore (needs the nixl package)")
+    args = parser.parse_args()
+    classes: list[tuple[str, type[FileStore]]] = [("FileStore", FileStore)]
+    if args.nixl:
+        from hicache.runtime.storage.nixl_store import NixlFileStore
+
+        classes.append(("NixlFileStore", NixlFileStore))
+    print(f"load average {os.getloadavg()[0]:.2f}; {args.total_mib} MiB per run, batches of {args.batch}")
+    print("| store | page | capacity | evicted | put MB/s best (median) | get MB/s best (median) |")
+    print("|---|---|---|---|---|---|")
+    base = Path(tempfile.mkdtemp(prefix="store-bench-", dir=args.dir))
+    try:
+        for kib in (int(k) for k in args.page_kib.split(",")):
+            layout = layout_for(kib * 1024)
+            pages = args.total_mib * 1024 // kib
+            for name, cls in classes:
+                for bounded in (False, True):
+                    puts, gets = [], []
+                    for r in range(args.repeat):
+                        root = base / f"{name}-{kib}-{bounded}-{r}"
+                        put, get, evicted = trio.run(one_run, cls, root, layout, pages, args.batch, bounded)
+                        shutil.rmtree(root)
+                        puts.append(put)
+                        gets.append(get)
+                    cap = "half the pages" if bounded else "unbounded"
+                    put, get = (f"{max(v):.0f} ({statistics.median(v):.0f})" for v in (puts, gets))
+                    print(f"| {name} | {kib} KiB | {cap} | {evicted} | {put} | {get} |", flush=True)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    print(f"load average {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()

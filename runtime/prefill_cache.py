@@ -1,0 +1,373 @@
+"""The prefill node's own KV cache: the core's tiered radix tree over pages it computed or read.
+
+A prompt is cut into pages with the decode nodes' salted chained keys (`hicache.core.pages`:
+the `kv` message's `namespace` is the seed), so the pages a prefill node finds are exactly those
+of the same model and tenant: another tenant's identical prompt has other keys, and misses.
+
+For each prompt, one at a time (the compute is one stream anyway):
+1. the tree gives the prefix held on L1 (locked) and on L2 (pinned, copied back into L1);
+2. with a store, `exists` says how many following pages L3 holds; they are read into L1 when
+   that beats computing them (`restore_pays`, the simulator's prefill rule), counting the read
+   and compute speeds (settings, refined by a running estimate of what the node measures);
+   a failed or short read leaves the rest to compute;
+3. the rest is computed into L1 pages with the model's paged prefix path (`prefill_into`):
+   the last prompt token always, since it yields the first output token. When every page is
+   cached, that token is computed on a scratch copy of its page: a tree page is never written;
+4. the full pages enter the tree (which adopts new slots and frees duplicates), its Backup
+   commands (L1 -> L2, write-through) are executed at once, and L1 room comes from the tree's
+   eviction policy.
+
+What is sent to a decode node is a copy of the pages taken before the tree can evict them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+
+import attrs
+import numpy as np
+import torch
+import trio
+
+from hicache.core.commands import Backup
+from hicache.core.pages import page_keys
+from hicache.core.pool import SlotPool
+from hicache.core.restore_cost import RestorePath, restore_pays
+from hicache.core.tree import TieredRadixTree
+from hicache.runtime.kv_layout import KVLayout
+from hicache.runtime.kv_pool import KVPool
+from hicache.runtime.model import LlamaModel, to_pages
+from hicache.runtime.storage.base import StorageBackend
+
+log = logging.getLogger("hicache.runtime.prefill")
+
+DEFAULT_CACHE_BYTES = 512 << 20  # L1 of the prefill cache: as much KV as the old prompt memo kept
+DEFAULT_READ_BPS = 1e9  # L3 read speed, bytes/s, until the node has measured its own reads
+DEFAULT_COMPUTE_TPS = 2e3  # prompt tokens/s, until the node has measured its own forwards
+SMOOTHING = 0.25  # weight of the newest measurement in a running estimate
+MEASURED_MIN_TOKENS = 64  # shorter forwards do not move the compute estimate
+
+
+@attrs.define
+class Speeds:
+    """The read and compute speeds the cost rule weighs; `measure` refines them as they happen
+    (an exponential moving average, so one slow read or cold forward does not decide alone)."""
+
+    read_bps: float = DEFAULT_READ_BPS
+    compute_tps: float = DEFAULT_COMPUTE_TPS
+    read_latency_s: float = 0.0
+    measure: bool = True
+
+    def __attrs_post_init__(self) -> None:
+        for name in ("read_bps", "compute_tps"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+                raise ValueError(f"Speeds.{name}: expected a finite number > 0, got {value!r}")
+        if not self.read_latency_s >= 0:
+            raise ValueError(f"Speeds.read_latency_s: expected >= 0, got {self.read_latency_s!r}")
+
+    def read_seconds(self, nbytes: int) -> float:
+        return RestorePath(latency=self.read_latency_s, bandwidth=self.read_bps).seconds(nbytes)
+
+    def compute_seconds(self, tokens: int) -> float:
+        return tokens / self.compute_tps
+
+    def saw_read(self, nbytes: int, seconds: float) -> None:
+        if self.measure and nbytes > 0 and seconds > 0:
+            self.read_bps += SMOOTHING * (nbytes / seconds - self.read_bps)
+
+    def saw_compute(self, tokens: int, seconds: float) -> None:
+        # A forward of a few tokens measures its fixed overhead, not the rate of a long prefix.
+        if self.measure and tokens >= MEASURED_MIN_TOKENS and seconds > 0:
+            self.compute_tps += SMOOTHING * (tokens / seconds - self.compute_tps)
+
+
+@attrs.frozen
+class Prefilled:
+    """A prompt's pages [first, last) (a copy), its last logits, and where its tokens came from.
+
+    `l1`, `l2`, `l3` count prompt tokens not computed here (at most all but the last one)."""
+
+    pages: torch.Tensor
+    logits: torch.Tensor
+    l1: int = 0
+    l2: int = 0
+    l3: int = 0
+
+    @property
+    def cached(self) -> int:
+        return self.l1 + self.l2 + self.l3
+
+
+@attrs.define
+class CacheStats:
+    """Tokens, per source, of the prompts served; pages read from L3 and reads that fell short."""
+
+    computed: int = 0
+    l1: int = 0
+    l2: int = 0
+    l3: int = 0
+    l3_declined_pages: int = 0  # held by L3, computed instead: the read would have been slower
+    l3_short_reads: int = 0  # reads that returned fewer pages than `exists` promised (or failed)
+    uncached: int = 0  # prompts computed without the cache: too large for L1, or no room in it
+
+
+class PrefillCache:
+    """L1 (and optionally L2) pages of KV this node computed or read, under the core's tree."""
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        layout: KVLayout,
+        l1_pages: int,
+        *,
+        l2_pages: int = 0,
+        store: StorageBackend | None = None,
+        speeds: Speeds | None = None,
+        eviction: str = "lru",
+        limiter: trio.CapacityLimiter | None = None,
+    ) -> None:
+        """`limiter` bounds the threads the model runs in (the node shares it with its other
+        compute)."""
+        self.model = model
+        self.layout = layout
+        self.l1 = KVPool(layout, l1_pages, name="prefill-L1")
+        self.l2 = KVPool(layout, l2_pages, name="prefill-L2") if l2_pages > 0 else None
+        self.tree = TieredRadixTree(
+            SlotPool("prefill.L1", l1_pages),
+            SlotPool("prefill.L2", l2_pages),
+            eviction=eviction,
+            write_policy="write_through",
+        )
+        self.store = store
+        self.speeds = speeds if speeds is not None else Speeds()
+        self.stats = CacheStats()
+        self._limiter = limiter if limiter is not None else trio.CapacityLimiter(1)
+        self._lock = trio.Lock()  # one prompt at a time holds the tree
+        self._owners = itertools.count(1)
+
+    async def prefill(
+        self,
+        tokens: Sequence[int],
+        namespace: int,
+        first_page: int,
+        last_page: int,
+        stream: LayerGroups | None = None,
+    ) -> Prefilled:
+        """The prompt's pages [first_page, last_page) and last logits, reusing what is cached.
+        With `stream`, each layer group of those pages is handed to it (from the compute
+        thread) as soon as prefill has stored it; a prompt computed without the cache is not
+        streamed (`stream.sent` stays 0)."""
+        ids = np.asarray(tokens, dtype=np.int64)
+        page = self.layout.page_size
+        if -(-len(ids) // page) + 1 <= self.l1.num_pages:  # + a scratch page for the last token
+            keys = page_keys(ids, page, namespace).tolist()
+            async with self._lock:
+                done = await self._prefill(ids, keys, namespace, first_page, last_page, stream)
+            if done is not None:
+                return done
+        # Too large for L1, or L1 is held by nothing this node may evict: no cache for it.
+        self.stats.uncached += 1
+        self.stats.computed += len(ids)
+        return await compute_all(self.model, ids, page, first_page, last_page, self._limiter, self.speeds)
+
+    async def _prefill(
+        self,
+        ids: np.ndarray,
+        keys: list[int],
+        namespace: int,
+        first: int,
+        last: int,
+        stream: LayerGroups | None = None,
+    ) -> Prefilled | None:
+        """Match, restore, compute the rest into L1 and insert; None when L1 has no room."""
+        tree, page, n = self.tree, self.layout.page_size, len(ids)
+        total, full = -(-n // page), len(keys)
+        owner = ("prefill", next(self._owners))
+        pool = tree.device_pool
+        m = tree.match(keys, time.monotonic())
+        d, h = m.device_pages, m.host_pages
+        lock = tree.lock(m.device_node)
+        pin = tree.pin_host(m.host_node) if h else None
+        mine: list[int] = []  # L1 slots this prompt owns until the tree adopts them
+        try:
+            l3 = await self._l3_pages(keys, d + h)
+            scratch_pages = 1 if n % page == 0 else 0  # every page may be cached: see below
+            got = self._alloc(total - d + scratch_pages, owner)
+            if got is None:
+                return None
+            mine = got
+            table = list(m.device_slots) + mine[: total - d]
+            if h:  # L2 -> L1: the tree takes these slots back on insert
+                assert self.l2 is not None
+                src = torch.tensor(m.host_slots, dtype=torch.int64)
+                self.l1.data[torch.tensor(table[d : d + h], dtype=torch.int64)] = self.l2.data[src]
+            read = await self._read_l3(keys[d + h : d + h + l3], table[d + h : d + h + l3]) if l3 else 0
+            cached = d + h + read  # leading pages whose KV is here
+            start = min(cached * page, n - 1)
+            run = list(table)
+            if cached * page > start:
+                # The last token is computed on a scratch copy of its page: tree pages stay as
+                # they were computed (and as the decode nodes that hold them got them).
+                scratch = mine[-1]
+                self.l1.data[scratch] = self.l1.data[table[cached - 1]]
+                run[cached - 1] = scratch
+            on_layer = None
+            if stream is not None and last > first:
+                sent = torch.tensor(table[first:last], dtype=torch.int64)
+                tail = n % page if last == total else 0  # past the prompt: zero, as below
+                on_layer = stream.hook(self.l1.data, sent, tail)
+            logits = await self._forward_paged(run, start, ids[start:], on_layer)
+            l1, l2, l3_tokens = _attribute(start, d * page, h * page, read * page)
+            self.stats.computed += n - start
+            self.stats.l1 += l1
+            self.stats.l2 += l2
+            self.stats.l3 += l3_tokens
+            pages = self.l1.data[torch.tensor(table[first:last], dtype=torch.int64)]  # a copy
+            if n % page and last == total and last > first:
+                # Past the prompt, a reused slot holds whatever it held (another prompt's KV,
+                # maybe another tenant's): what is sent is zero there, as computing gives.
+                pages[-1, :, :, n % page :] = 0
+            if pin is not None:  # its pages are back on L1: L2 may make room again
+                tree.unpin_host(pin)
+                pin = None
+            tree.insert(keys, table[:full], owner, time.monotonic())
+            self._execute_backups()
+            return Prefilled(pages, logits, l1, l2, l3_tokens)
+        finally:
+            if pin is not None:
+                tree.unpin_host(pin)
+            tree.unlock(lock)
+            left = [s for s in mine if pool.owner_of(s) == owner]  # the partial and scratch pages
+            if left:
+                pool.free(left, owner)
+
+    def _alloc(self, n: int, owner: object) -> list[int] | None:
+        pool = self.tree.device_pool
+        if n > pool.num_free:
+            self.tree.evict_device(n - pool.num_free)
+            self._execute_backups()
+        return pool.alloc(n, owner) if n <= pool.num_free else None
+
+    def _execute_backups(self) -> None:
+        """Write-through backups, L1 -> L2, done now (a copy within host memory)."""
+        for c in self.tree.drain():
+            if isinstance(c, Backup):
+                if self.l2 is not None and c.device_slots:
+                    dst = torch.tensor(c.host_slots, dtype=torch.int64)
+                    self.l2.data[dst] = self.l1.data[torch.tensor(c.device_slots, dtype=torch.int64)]
+                    self.tree.backup_done(c.op)
+                else:
+                    self.tree.backup_done(c.op, range(len(c.device_slots)))
+
+    async def _l3_pages(self, keys: list[int], start: int) -> int:
+        """Pages from `start` on worth reading from L3: held there, and faster read than computed."""
+        if self.store is None or start >= len(keys):
+            return 0
+        try:
+            held = await self.store.exists(keys[start:])
+        except Exception as exc:  # a store fault is a miss, never a failed request
+            log.warning("L3 exists() failed, computing instead: %s: %s", type(exc).__name__, exc)
+            return 0
+        held = max(0, min(int(held), len(keys) - start))
+        if held and not restore_pays(
+            self.speeds.read_seconds(held * self.layout.page_bytes),
+            self.speeds.compute_seconds(held * self.layout.page_size),
+        ):
+            self.stats.l3_declined_pages += held
+            return 0
+        return held
+
+    async def _read_l3(self, keys: list[int], slots: list[int]) -> int:
+        """Read `keys` into L1 `slots`; how many leading pages arrived intact (0 on an error)."""
+        assert self.store is not None
+        began = time.perf_counter()
+        try:
+            got = await self.store.get(keys, self.l1, slots)
+        except Exception as exc:  # a store fault is a miss, never a failed request
+            log.warning("L3 read failed, computing instead: %s: %s", type(exc).__name__, exc)
+            got = 0
+        got = max(0, min(int(got), len(keys)))
+        if got < len(keys):
+            self.stats.l3_short_reads += 1
+        self.speeds.saw_read(got * self.layout.page_bytes, time.perf_counter() - began)
+        return got
+
+    async def _forward_paged(
+        self, table: list[int], start: int, ids: np.ndarray, on_layer: Callable[[int], None] | None = None
+    ) -> torch.Tensor:
+        began = time.perf_counter()
+        logits = await trio.to_thread.run_sync(
+            self.model.prefill_into, self.l1.data, table, start, ids.tolist(), on_layer, limiter=self._limiter
+        )
+        self.speeds.saw_compute(len(ids), time.perf_counter() - began)
+        return logits
+
+    def check(self) -> None:
+        """The tree's invariants, and that no slot is left to a finished prompt."""
+        self.tree.check()
+        for pool in (self.tree.device_pool, self.tree.host_pool):
+            stray = [s for s in range(pool.capacity) if pool.owner_of(s) not in (None, "tree")]
+            if stray:
+                raise AssertionError(f"{pool.name}: slots {stray[:8]} still owned by a finished prompt")
+
+
+async def compute_all(
+    model: LlamaModel,
+    ids: np.ndarray,
+    page_size: int,
+    first: int,
+    last: int,
+    limiter: trio.CapacityLimiter,
+    speeds: Speeds | None = None,
+) -> Prefilled:
+    """The prompt computed from scratch, with nothing cached: pages [first, last) and logits."""
+    began = time.perf_counter()
+    kv, logits = await trio.to_thread.run_sync(model.forward, torch.from_numpy(ids.copy()), limiter=limiter)
+    if speeds is not None:
+        speeds.saw_compute(len(ids), time.perf_counter() - began)
+    return Prefilled(to_pages(kv, page_size)[first:last], logits)
+
+
+class LayerGroups:
+    """Where a prompt's pages go, layer group by layer group, while prefill computes them.
+
+    `hook` gives the model an `on_layer` that, at the end of each of `groups` layer groups,
+    copies those layers of the pages being sent (zero past the prompt on its last page) and
+    hands them to `deliver(lo, hi, part)` — on the compute thread, so `deliver` must only copy
+    and hand over (e.g. `trio.from_thread`). `sent` counts the groups delivered."""
+
+    def __init__(self, layers: int, groups: int, deliver: Callable[[int, int, torch.Tensor], None]) -> None:
+        if groups < 1:
+            raise ValueError(f"groups: expected >= 1, got {groups}")
+        groups = min(groups, layers)
+        self.ends = sorted({round((g + 1) * layers / groups) for g in range(groups)})
+        self.deliver = deliver
+        self.sent = 0
+
+    def hook(self, pool: torch.Tensor, pages: torch.Tensor, tail: int) -> Callable[[int], None]:
+        lo = 0
+
+        def on_layer(index: int) -> None:
+            nonlocal lo
+            if index + 1 not in self.ends:
+                return
+            part = pool[pages, lo : index + 1]  # a copy: the pages' layers [lo, index]
+            if tail:
+                part[-1, :, :, tail:] = 0
+            self.deliver(lo, index + 1, part)
+            self.sent += 1
+            lo = index + 1
+
+        return on_layer
+
+
+def _attribute(start: int, l1: int, l2: int, l3: int) -> tuple[int, int, int]:
+    """Tokens before `start` by source, in prompt order (L1, then L2, then L3)."""
+    a = min(l1, start)
+    b = min(l2, start - a)
+    return a, b, min(l3, start - a - b)

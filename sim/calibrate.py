@@ -1,0 +1,149 @@
+"""Fitting the simulator's cost model to what a serving node measured, request by request.
+
+A recorded trace (`hicache serve --record-trace`) gives, per request, its prompt, the tokens
+each tier restored, the tokens prefill found cached, and the measured TTFT and TPOT. The node's
+hardware is whatever it ran on (a CPU, a GPU no preset names), so instead of a preset the costs
+come from the recording itself, by least squares with non-negative coefficients:
+
+- a decode step: `tpot = a + b * context`, context being the prompt plus half the output (the
+  mean context over the request's steps);
+- the first token, which prefill computes: `ttft = c + u / prefill_rate + attention * pairs
+  + s2 * l2_tokens + s3 * l3_tokens`, where u are the prompt tokens prefill computed (prompt
+  minus what prefill, or else the decode node, had cached), `pairs` the (new, earlier) token
+  pairs their attention covers, and s2, s3 the seconds per token restored from host memory and
+  from storage. A term whose column carries no signal (no request restored from L3, say) is
+  left out and its rate stays the node's own setting.
+
+The fit is reported with its residuals, so a reader sees how well a linear model explains the
+node; the twin (`hicache.sim.twin`) turns it into a scenario's hardware and model figures.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import attrs
+import numpy as np
+
+MIN_ROWS_PER_TERM = 3  # a term is fitted only when at least this many requests exercise it
+
+
+@attrs.frozen(slots=True)
+class Sample:
+    """What one request measured, as the fit reads it."""
+
+    prompt: int
+    output: int
+    computed: int  # prompt tokens prefill computed
+    l2: int  # tokens restored from host memory on the decode node
+    l3: int  # tokens restored from storage
+    ttft_s: float | None
+    tpot_s: float | None
+
+
+@attrs.frozen(slots=True)
+class Calibration:
+    """The fitted costs; a rate left as None was not fitted (its term had no signal)."""
+
+    prefill_tokens_per_s: float
+    prefill_attention_s: float  # per (new token, earlier token) pair
+    first_token_overhead_s: float  # c: latency of the first token beyond prefill's compute
+    decode_step_s: float  # a
+    decode_step_per_context_token_s: float  # b
+    l2_seconds_per_token: float | None = None
+    l3_seconds_per_token: float | None = None
+    ttft_rows: int = 0
+    tpot_rows: int = 0
+    ttft_residual_rms_s: float = 0.0
+    tpot_residual_rms_s: float = 0.0
+    ttft_residual_max_s: float = 0.0
+    tpot_residual_max_s: float = 0.0
+    source: str = "fit"  # "fit": from the recording; "header": the node's own settings
+
+    def to_dict(self) -> dict[str, float | int | str | None]:
+        return attrs.asdict(self)
+
+
+def nnls(a: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with coefficients >= 0 (columns scaled to unit norm for conditioning): drop
+    the most negative coefficient and solve again until none is negative. Small systems only."""
+    cols = a.shape[1]
+    norms = np.linalg.norm(a, axis=0)
+    norms[norms == 0] = 1.0
+    scaled = a / norms
+    active = [j for j in range(cols) if np.any(a[:, j])]
+    coef = np.zeros(cols)
+    while active:
+        sol, *_ = np.linalg.lstsq(scaled[:, active], y, rcond=None)
+        if (sol >= 0).all():
+            coef[active] = sol
+            break
+        del active[int(np.argmin(sol))]
+    return coef / norms
+
+
+def _pairs(computed: int, cached: int) -> float:
+    """(new, earlier) token pairs the attention of `computed` tokens after `cached` ones covers:
+    the cost model's own count (`NodeCosts.prefill_seconds`)."""
+    return computed * cached + computed * (computed - 1) / 2
+
+
+def _residuals(a: np.ndarray, coef: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    if not len(y):
+        return 0.0, 0.0
+    r = a @ coef - y
+    return float(math.sqrt(float(np.mean(r * r)))), float(np.max(np.abs(r)))
+
+
+def fit(samples: Sequence[Sample]) -> Calibration:
+    """The costs that explain `samples` best (ValueError when too few requests measured both a
+    first token and a later one to fit anything)."""
+    steps = [s for s in samples if s.tpot_s is not None and s.output > 1]
+    firsts = [s for s in samples if s.ttft_s is not None]
+    if len(steps) < 2 or len(firsts) < 2:
+        raise ValueError(
+            f"calibration needs at least 2 requests with a TTFT and 2 with a TPOT (output > 1 token); "
+            f"the recording has {len(firsts)} and {len(steps)}"
+        )
+    # The decode step: a + b * context.
+    ctx = np.array([s.prompt + s.output / 2 for s in steps], dtype=np.float64)
+    tpot = np.array([s.tpot_s for s in steps], dtype=np.float64)
+    a_tp = np.column_stack([np.ones_like(ctx), ctx])
+    step = nnls(a_tp, tpot) if np.ptp(ctx) > 0 else np.array([float(np.mean(tpot)), 0.0])
+    a, b = float(step[0]), float(step[1])
+    tp_rms, tp_max = _residuals(a_tp, step, tpot)
+    # The first token: prefill's (it computes the first output token), then the transfer's tail.
+    y = np.array([s.ttft_s for s in firsts], dtype=np.float64)
+    columns = {
+        "overhead": [1.0] * len(firsts),
+        "computed": [float(s.computed) for s in firsts],
+        "pairs": [_pairs(s.computed, s.prompt - s.computed) for s in firsts],
+        "l2": [float(s.l2) for s in firsts],
+        "l3": [float(s.l3) for s in firsts],
+    }
+    used = [k for k, v in columns.items() if k == "overhead" or sum(x > 0 for x in v) >= MIN_ROWS_PER_TERM]
+    a_tt = np.column_stack([columns[k] for k in used])
+    coef = {k: float(v) for k, v in zip(used, nnls(a_tt, y), strict=True)}
+    tt_rms, tt_max = _residuals(a_tt, np.array([coef[k] for k in used]), y)
+    per_token = coef.get("computed", 0.0)
+    if per_token <= 0:
+        raise ValueError(
+            "calibration: TTFT does not grow with the prompt tokens prefill computed, so no prefill "
+            "rate can be fitted (vary the prompt lengths, or record more requests)"
+        )
+    return Calibration(
+        prefill_tokens_per_s=1.0 / per_token,
+        prefill_attention_s=coef.get("pairs", 0.0),
+        first_token_overhead_s=coef["overhead"],
+        decode_step_s=a,
+        decode_step_per_context_token_s=b,
+        l2_seconds_per_token=coef["l2"] if "l2" in coef and coef["l2"] > 0 else None,
+        l3_seconds_per_token=coef["l3"] if "l3" in coef and coef["l3"] > 0 else None,
+        ttft_rows=len(firsts),
+        tpot_rows=len(steps),
+        ttft_residual_rms_s=tt_rms,
+        tpot_residual_rms_s=tp_rms,
+        ttft_residual_max_s=tt_max,
+        tpot_residual_max_s=tp_max,
+    )

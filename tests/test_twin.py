@@ -1,0 +1,422 @@
+"""The digital twin (`hicache sim twin`, sim/twin.py, sim/calibrate.py): a recording's header
+becomes the scenario, the cost model is fitted back from a recording the simulator made with
+known costs, the twin replays a simulator-made recording exactly (its own consistency), what-ifs
+reach the replay, bad input is named, and (marked, short) a real `hicache serve` recording.
+
+A simulator-made recording is written here as `hicache serve --record-trace` writes one: the
+header of the node's configuration, then a line per request with its block ids (at the page size,
+numbered by the runtime's own `BlockIds`), cached tokens per tier and the measured times.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+from hypothesis import Phase, given, settings
+from hypothesis import strategies as st
+
+from hicache.cli import main as cli_main
+from hicache.results import RequestRecord
+from hicache.runtime.serving.trace_recorder import BlockIds
+from hicache.scenarios.build import build_workload
+from hicache.scenarios.scenario import Scenario, ScenarioError, parse_scenario
+from hicache.sim import twin
+from hicache.sim.cluster import Cluster
+from hicache.sim.setup import setups
+
+PAGE = 16
+LAYERS, KV_HEADS, HEAD_DIM, DTYPE = 4, 2, 16, 2
+KV = 2 * LAYERS * KV_HEADS * HEAD_DIM * DTYPE
+
+
+def sim_scenario(
+    *,
+    tps: float = 2000.0,
+    attention: float = 0.0,
+    step: float = 0.02,
+    per_ctx: float = 2e-6,
+    latency: float = 0.003,
+    l1_tokens: int = 40 * PAGE,
+    ratio: float = 1.0,
+    storage: bool = True,
+    closed: bool = True,
+    conversations: int = 4,
+    turns: int = 4,
+) -> Scenario:
+    """A small multi-turn chat on a node whose costs are the twin's own parametrisation: the
+    prefill rate and attention term, decode step and its per-context cost, first-token latency."""
+    lhd = 4.0 * LAYERS * KV_HEADS * HEAD_DIM
+    flops = lhd / attention if attention > 0 else 2.0 * 1e15 * tps
+    params = flops / (2.0 * tps)
+    workload: dict[str, Any] = {
+        "kind": "multiturn",
+        "conversations": conversations,
+        "turns": turns,
+        "system_prompt": 48,
+        "user_tokens": [8, 120],
+        "output_tokens": [4, 40],
+        "rate": 0.02,
+        "think_time": 60.0,
+        "vocab": 500,
+    }
+    if closed:
+        workload["arrivals"] = "closed"
+    doc = {
+        "name": "synthetic",
+        "workload": workload,
+        "model": {
+            "preset": "",
+            "name": "tiny",
+            "layers": LAYERS,
+            "q_heads": KV_HEADS,
+            "kv_heads": KV_HEADS,
+            "head_dim": HEAD_DIM,
+            "params": params,
+            "total_params": 1.0,
+            "dtype_bytes": DTYPE,
+        },
+        "hardware": {
+            "gpu": "h100",
+            "gpus_per_node": 1,
+            "efficiency": 1.0,
+            "flops": flops,
+            "hbm_bandwidth": KV / (0.8 * per_ctx) if per_ctx > 0 else 1e15,
+            "mem_fraction": (512 << 20) / 80e9,
+            "host_bandwidth": 1e9,
+            "network_bandwidth": 1e15,
+            "network_latency": latency,
+        },
+        "storage": {"bandwidth": 1e9, "latency": 0.002},
+        "cluster": {
+            "max_running": 1 << 20,
+            "decode_step_overhead": step,
+            "hicache_step_overhead": 0.0,
+            "tick_interval": 1e-4,
+        },
+        "cache": {
+            "page_size": PAGE,
+            "l1_tokens": l1_tokens,
+            "hicache_ratio": ratio,
+            "decode_reserve_tokens": PAGE,
+        },
+        "run": {"baselines": ["l1_l2_l3" if storage else "l1_l2"]},
+    }
+    return parse_scenario(doc, "synthetic.toml")
+
+
+def _value(v: Any) -> Any:
+    return getattr(v, "value", v)
+
+
+def write_recording(path: Path, sc: Scenario) -> list[RequestRecord]:
+    """Simulate `sc` and write what it served as `hicache serve --record-trace` would."""
+    (setup,) = setups(sc).values()
+    items = build_workload(sc)
+    records = Cluster(setup).run(items, clients=sc.workload.clients).records
+    by_id = {item.id: item for item in items}
+    decode = {k: _value(v) for k, v in attrs.asdict(setup.decode, recurse=False).items()}
+    header = {
+        "hicache_trace_header": 1,
+        "format": "mooncake",
+        "block_size": PAGE,
+        "order": "completion",
+        "started_at": "2026-01-01T00:00:00+00:00",
+        "model": "tiny",
+        "geometry": {
+            "layers": LAYERS,
+            "kv_heads": KV_HEADS,
+            "head_dim": HEAD_DIM,
+            "dtype": "bfloat16",
+            "page_bytes": KV * PAGE,
+        },
+        "page_size": PAGE,
+        "l1_pages": setup.decode.l1_pages,
+        "l2_pages": setup.decode.l2_pages,
+        "decode_config": decode,
+        "storage": {"kind": "MemoryStore", "capacity_bytes": None, "capacity_pages": None},
+        "nodes": {"decode": 1, "prefill": 1, "router": None},
+        "measured": {
+            "link_bytes_per_s": None,
+            "storage_read_bytes_per_s": None,
+            "storage_write_bytes_per_s": None,
+        },
+        "decode_nodes": [],
+    }
+    blocks = BlockIds("tiny", PAGE)
+    sessions: dict[str, int] = {}
+    lines = [json.dumps(header)]
+    for r in sorted(records, key=lambda r: r.arrival + r.e2e_s):  # completion order
+        item = by_id[r.id]
+        assert item.prompt is not None
+        line = {
+            "timestamp": round(r.arrival * 1000.0, 3),
+            "input_length": r.prompt_tokens,
+            "output_length": r.output_tokens,
+            "hash_ids": blocks.ids(item.prompt.tolist(), None),
+            "session_id": sessions.setdefault(r.session, len(sessions)),
+            "cached_tokens": {"l1": r.cached_l1, "l2": r.cached_l2, "l3": r.cached_l3},
+            "prefill_cached_tokens": r.prefill_cached_tokens,
+            "ttft_s": None if math.isnan(r.ttft_s) else round(r.ttft_s, 6),
+            "tpot_s": None if math.isnan(r.tpot_s) else round(r.tpot_s, 6),
+            "finish_reason": "length" if r.outcome == "finished" else None,
+        }
+        lines.append(json.dumps(line))
+    path.write_text("\n".join(lines) + "\n")
+    return records
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("twin") / "sim.jsonl"
+    write_recording(path, sim_scenario())
+    return path
+
+
+# ============================================================================ header -> scenario
+
+
+def test_the_header_becomes_the_scenario(recorded: Path) -> None:
+    rec = twin.read_recording(recorded)
+    header = rec.header
+    facts = twin.node_facts(rec)
+    sc = twin.scenario(rec, facts, twin.header_costs(facts))
+    assert sc.workload.kind == "trace" and sc.workload.path == str(recorded.absolute())
+    assert sc.workload.arrivals == "closed"  # the recording names sessions
+    assert (sc.model.layers, sc.model.kv_heads, sc.model.head_dim, sc.model.dtype_bytes) == (
+        LAYERS,
+        KV_HEADS,
+        HEAD_DIM,
+        DTYPE,
+    )
+    assert sc.model.preset == ""
+    assert sc.cache.page_size == header["page_size"]
+    assert sc.cache.l1_tokens == header["l1_pages"] * PAGE
+    assert sc.cache.l2_tokens_for(sc.cache.l1_tokens) == header["l2_pages"] * PAGE
+    for key in twin.CACHE_POLICY_KEYS:  # every policy as the node ran it
+        assert getattr(sc.cache, key) == header["decode_config"][key], key
+    assert sc.cluster.decode_nodes == 1 and sc.cluster.prefill_nodes == 1
+    assert sc.storage.capacity_tokens == 0 and sc.run.baselines == ("l1_l2_l3",)
+    (setup,) = setups(sc).values()
+    assert setup.decode.l1_pages == header["l1_pages"] and setup.decode.l2_pages == header["l2_pages"]
+
+
+def _rewrite_header(src: Path, dst: Path, change: dict[str, Any], drop: tuple[str, ...] = ()) -> Path:
+    lines = src.read_text().splitlines()
+    header = json.loads(lines[0])
+    for key, value in change.items():
+        section, _, sub = key.partition(".")
+        if sub:
+            header[section][sub] = value
+        else:
+            header[section] = value
+    for key in drop:
+        section, _, sub = key.partition(".")
+        if sub:
+            del header[section][sub]
+        else:
+            del header[section]
+    dst.write_text("\n".join([json.dumps(header), *lines[1:]]) + "\n")
+    return dst
+
+
+@pytest.mark.parametrize(
+    ("change", "drop", "field"),
+    [
+        ({"colour": "blue"}, (), "'colour': unknown"),
+        ({"geometry.rope": 1}, (), "'geometry.rope': unknown"),
+        ({"decode_config.turbo": True}, (), "'decode_config.turbo': unknown"),
+        ({"nodes.spare": 1}, (), "'nodes.spare': unknown"),
+        ({}, ("geometry.layers",), "'geometry.layers' must be an integer"),
+        ({}, ("page_size",), "'page_size' must be an integer"),
+        ({}, ("decode_config",), "'decode_config' missing"),
+        ({"geometry.dtype": "int4"}, (), "'geometry.dtype'"),
+    ],
+)
+def test_an_unknown_or_missing_header_field_is_named(
+    recorded: Path, tmp_path: Path, change: dict[str, Any], drop: tuple[str, ...], field: str
+) -> None:
+    path = _rewrite_header(recorded, tmp_path / "t.jsonl", change, drop)
+    with pytest.raises(twin.TwinError, match=rf"t\.jsonl:1: field {field}"):
+        twin.node_facts(twin.read_recording(path))
+
+
+# ============================================================================ calibration
+
+
+@settings(max_examples=6, deadline=None, phases=[Phase.explicit, Phase.reuse, Phase.generate])
+@given(
+    tps=st.floats(300.0, 5000.0),
+    with_attention=st.booleans(),
+    step=st.floats(0.005, 0.05),
+    per_ctx=st.sampled_from([0.0, 1e-6, 1e-5]),
+    latency=st.floats(0.001, 0.02),
+)
+def test_calibration_recovers_the_costs_of_a_simulator_made_recording(
+    tmp_path_factory: pytest.TempPathFactory,
+    tps: float,
+    with_attention: bool,
+    step: float,
+    per_ctx: float,
+    latency: float,
+) -> None:
+    """Requests one at a time (the think time dwarfs a request), so every measured time is the
+    cost model's own formula plus at most a tick: the fit must give the costs back."""
+    attention = 1.0 / (tps * 300.0) if with_attention else 0.0
+    sc = sim_scenario(
+        tps=tps, attention=attention, step=step, per_ctx=per_ctx, latency=latency, l1_tokens=4096 * PAGE
+    )
+    path = tmp_path_factory.mktemp("cal") / "t.jsonl"
+    write_recording(path, sc)
+    cal = twin.fit(twin.samples(twin.read_recording(path)))
+    assert cal.prefill_tokens_per_s == pytest.approx(tps, rel=0.05)
+    assert cal.decode_step_s == pytest.approx(step + 1.0 / tps, rel=0.05, abs=5e-4)
+    assert cal.decode_step_per_context_token_s == pytest.approx(per_ctx, rel=0.1, abs=2e-7)
+    assert cal.prefill_attention_s == pytest.approx(attention, rel=0.15, abs=0.1 / (tps * 300.0))
+    assert cal.first_token_overhead_s == pytest.approx(latency, abs=2e-3)
+    assert cal.ttft_residual_rms_s < 2e-3 and cal.tpot_residual_rms_s < 2e-3
+
+
+def test_too_few_measured_requests_cannot_be_calibrated() -> None:
+    one = twin.Sample(prompt=100, output=5, computed=100, l2=0, l3=0, ttft_s=0.1, tpot_s=0.01)
+    with pytest.raises(ValueError, match="at least 2 requests"):
+        twin.fit([one])
+
+
+# ============================================================================ the twin's consistency
+
+
+@pytest.mark.parametrize("storage", [True, False])
+def test_the_twin_replays_a_simulator_made_recording_exactly(tmp_path: Path, storage: bool) -> None:
+    """L1 small enough that turns restore from L2: every request's tiers as recorded."""
+    path = tmp_path / "t.jsonl"
+    records = write_recording(path, sim_scenario(l1_tokens=30 * PAGE, ratio=2.0, storage=storage))
+    assert sum(r.cached_l2 for r in records) > 0  # L2 is exercised
+    res = twin.twin(path)
+    assert res.tiers_equal == len(records)
+    assert res.predicted["cached_tokens"] == res.measured["cached_tokens"]
+    assert res.errors["hit_rate_pp"] == pytest.approx(0.0)
+    assert abs(res.errors["ttft_mean"] or 0.0) < 0.05
+
+
+# ============================================================================ what-ifs
+
+
+def test_a_what_if_replays_with_the_overrides(recorded: Path) -> None:
+    rec = twin.read_recording(recorded)
+    facts = twin.node_facts(rec)
+    cal = twin.header_costs(facts)
+    doubled = twin.scenario(rec, facts, cal, ["cache.hicache_ratio=2"])
+    assert doubled.cache.l2_tokens_for(doubled.cache.l1_tokens) == 2 * facts.l2_pages * PAGE
+    res = twin.twin(recorded, ["run.baselines=['l1_l2']", "cluster.decode_nodes=2"])
+    assert res.what_if is not None and res.what_if_baseline == "l1_l2" and res.baseline == "l1_l2_l3"
+    assert res.what_if["cached_tokens"]["l3"] == 0
+    assert res.what_if_records is not None and {r.decode_node for r in res.what_if_records.values()} == {0, 1}
+    with pytest.raises(ScenarioError, match="cache.colour"):
+        twin.twin(recorded, ["cache.colour=1"])
+
+
+def test_the_command_prints_and_writes_the_comparison(
+    recorded: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "out"
+    assert cli_main(["sim", "twin", str(recorded), "--out", str(out), "--set", "cache.promise=adaptive"]) == 0
+    printed = capsys.readouterr().out
+    assert "hit rate" in printed and "what-if" in printed and "tiers equal" in printed
+    doc = json.loads((out / "summary.json").read_text())
+    for key in ("hit_rate", "ttft_mean_s", "ttft_p90_s", "tpot_mean_s"):
+        assert f"predicted_{key}" in doc and f"measured_{key}" in doc
+    assert doc["calibration"]["prefill_tokens_per_s"] > 0 and "ttft_residual_rms_s" in doc["calibration"]
+    assert doc["what_if"]["overrides"] == ["cache.promise=adaptive"]
+    rows = (out / "requests.csv").read_text().splitlines()
+    assert rows[0].startswith("id,session,arrival_s,input_length,output_length,measured_l1")
+    assert len(rows) == 1 + doc["requests"]
+
+
+# ============================================================================ bad input
+
+
+@pytest.mark.parametrize(
+    ("text", "expect"),
+    [
+        ('{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [0]}\n', ":1: field"),
+        ('{"hicache_trace_header": 2, "block_size": 16}\n', ":1: field 'hicache_trace_header': version 2"),
+        ("", ":1: empty file"),
+        ('{"hicache_trace_header": 1, "block_size": 0}\n', ":1: field 'block_size'"),
+    ],
+)
+def test_a_bad_header_is_one_line_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, expect: str
+) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text(text)
+    assert cli_main(["sim", "twin", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"bad.jsonl{expect}" in err
+
+
+@pytest.mark.parametrize(
+    ("line", "field"),
+    [
+        ({"input_length": 0}, "'input_length'"),
+        ({"hash_ids": [1]}, "'hash_ids'"),
+        ({"cached_tokens": {"l4": 1}}, "'cached_tokens'"),
+        ({"ttft_s": "soon"}, "'ttft_s'"),
+        ({"session_id": -1}, "'session_id'"),
+        ({"colour": 1}, "'colour'"),
+    ],
+)
+def test_a_bad_request_line_is_named(
+    recorded: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], line: dict[str, Any], field: str
+) -> None:
+    lines = recorded.read_text().splitlines()
+    third = {**json.loads(lines[3]), **line}
+    path = tmp_path / "bad.jsonl"
+    path.write_text("\n".join([*lines[:3], json.dumps(third), *lines[4:]]) + "\n")
+    assert cli_main(["sim", "twin", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"bad.jsonl:4: field {field}" in err
+
+
+def test_a_recorded_block_size_is_honoured_by_the_trace_reader(recorded: Path) -> None:
+    from hicache.scenarios.traces import read_mooncake
+
+    got = read_mooncake(recorded)
+    assert got and all(r.block_size == PAGE for r in got)
+    assert all(len(r.block_ids or ()) == -(-r.input_length // PAGE) for r in got)
+
+
+# ============================================================================ a real node (short)
+
+
+def test_real_node_the_twin_predicts_the_recorded_tiers_and_the_l2_what_if(tmp_path: Path) -> None:
+    """REAL NODE: `hicache serve` (default model, CPU) records 3 chats x 4 turns, one request at a
+    time, with an L1 of 12 pages and L2 as large (so turns lose pages the node's L2 cannot keep);
+    then the same traffic on a node with L2 doubled. The twin's hit rate must be within a couple of
+    pages of the recorded one (one 16-token page is 1.9 points of these 864 prompt tokens), most
+    requests' tiers exact, and its what-if of L2 doubled must move the hit rate the way the real
+    node moved, by about as much. (Times are compared in bench/twin_check.py, not here.)"""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    from twin_check import drop_warmup, record
+
+    traffic = {"l1_pages": 12, "conversations": 3, "turns": 4, "max_new": 8}
+    base, doubled = tmp_path / "base.jsonl", tmp_path / "l2x2.jsonl"
+    record(base, ratio=1.0, **traffic)
+    record(doubled, ratio=2.0, **traffic)
+    drop_warmup(base)
+    drop_warmup(doubled)
+    res = twin.twin(base, ["cache.hicache_ratio=2.0"])
+    assert len(res.recording.requests) == 12
+    assert abs(res.errors["hit_rate_pp"]) <= 4.0
+    assert res.tiers_equal >= 9
+    assert res.what_if is not None
+    real = twin.overall(twin.read_recording(doubled), None)["hit_rate"] - res.measured["hit_rate"]
+    predicted = res.what_if["hit_rate"] - res.predicted["hit_rate"]
+    assert real > 0 and predicted > 0  # L2 doubled keeps pages the smaller L2 lost
+    assert abs(predicted - real) <= 0.05
