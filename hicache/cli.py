@@ -492,6 +492,13 @@ def build_parser() -> argparse.ArgumentParser:
         "`hicache sim twin` see every page requests share)",
     )
     cache_flags.add_flags(serve)  # passed on to the decode node started here
+    serve.add_argument(
+        "--tp-size",
+        type=int_in(1),
+        default=1,
+        help="tensor-parallel ranks of each decode node started here (SGLang's name; the model's KV "
+        "heads must be a multiple of it) (default: 1)",
+    )
     run = sub.add_parser(
         "run",
         help="replay a scenario on real nodes (--runtime): a prefill and a decode process on loopback",
@@ -818,6 +825,8 @@ def run_serve(args: argparse.Namespace) -> int:
         return 0
     _logging(args.log_level)
     passed_on = cache_flags.forwarded(args)
+    if args.tp_size != 1:
+        passed_on += ["--tp-size", str(args.tp_size)]
     if args.decode and passed_on:
         print(
             f"hicache serve: {passed_on[0]}: sets the decode node started here, but --decode attaches "
