@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
+
+import attrs
 
 from hicache.arg_types import directory, float_above, int_in
 from hicache.core.config import DecodeConfig
@@ -363,6 +366,31 @@ def build_parser() -> argparse.ArgumentParser:
         "client may name its tenant and run admin operations",
     )
     cache_flags.add_flags(decode)
+    tp = decode.add_argument_group("tensor parallelism")
+    tp.add_argument(
+        "--tp-size",
+        type=int_in(1),
+        default=1,
+        help="tensor-parallel ranks, one process each (rank 0 starts the others and serves clients); "
+        "the model's KV heads must be a multiple of it (SGLang's name) (default: 1)",
+    )
+    tp.add_argument(
+        "--collective-timeout",
+        type=float_above(0),
+        default=5.0,
+        metavar="SECONDS",
+        help="with --tp-size > 1: a rank that does not join a collective within this ends the node "
+        "(default 5)",
+    )
+    tp.add_argument(
+        "--command-log",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="write every command each rank's core emits to DIR/rank<R>.log (for comparing ranks)",
+    )
+    tp.add_argument("--tp-rank", type=int_in(0), default=0, help=argparse.SUPPRESS)
+    tp.add_argument("--tp-store", type=host_port, default=None, help=argparse.SUPPRESS)
     decode.add_argument(
         "--faults",
         default=None,
@@ -467,6 +495,13 @@ def build_parser() -> argparse.ArgumentParser:
         "`hicache sim twin` see every page requests share)",
     )
     cache_flags.add_flags(serve)  # passed on to the decode node started here
+    serve.add_argument(
+        "--tp-size",
+        type=int_in(1),
+        default=1,
+        help="tensor-parallel ranks of each decode node started here (SGLang's name; the model's KV "
+        "heads must be a multiple of it) (default: 1)",
+    )
     run = sub.add_parser(
         "run",
         help="replay a scenario on real nodes (--runtime): a prefill and a decode process on loopback",
@@ -650,7 +685,9 @@ def run_capacity(args: argparse.Namespace) -> int:
 
 
 def _decode_config(args: argparse.Namespace) -> DecodeConfig:
-    return cache_flags.decode_config(args)
+    config = cache_flags.decode_config(args)
+    tp_size = getattr(args, "tp_size", 1)
+    return attrs.evolve(config, tp_size=tp_size) if tp_size != config.tp_size else config
 
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -661,6 +698,8 @@ def _logging(level: str) -> None:
 
 
 def run_node(args: argparse.Namespace) -> int:
+    if getattr(args, "tp_size", 1) > 1:  # before torch loads: a lost rank is our one line, not a C++ trace
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     from hicache.runtime import nodes
     from hicache.runtime.model import TinyConfig
 
@@ -728,6 +767,11 @@ def _decode_options(args: argparse.Namespace, model: TinyConfig | str) -> Decode
         limits=_limits(args),
         secret_file=args.secret_file,
         api_keys=args.api_keys,
+        tp_rank=args.tp_rank,
+        tp_store=args.tp_store,
+        tp_argv=args.argv,
+        collective_timeout=args.collective_timeout,
+        command_log=args.command_log,
     )
 
 
@@ -784,6 +828,8 @@ def run_serve(args: argparse.Namespace) -> int:
         return 0
     _logging(args.log_level)
     passed_on = cache_flags.forwarded(args)
+    if args.tp_size != 1:
+        passed_on += ["--tp-size", str(args.tp_size)]
     if args.decode and passed_on:
         print(
             f"hicache serve: {passed_on[0]}: sets the decode node started here, but --decode attaches "
@@ -834,6 +880,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = tuple(sys.argv[1:] if argv is None else argv)  # a TP node's rank 0 starts the others with it
     try:
         if args.command == "demo":
             return run_sim(DEMO_SCENARIO, args.overrides, args.out, progress=sys.stderr.isatty())

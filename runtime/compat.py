@@ -33,18 +33,50 @@ def model_fingerprint(config: TinyConfig) -> str:
     return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
 
-def profile(layout: KVLayout, engine: object, model: TinyConfig) -> dict[str, Any]:
-    """This node's side of the agreement, as plain JSON values."""
-    return {
+def profile(
+    layout: KVLayout, engine: object, model: TinyConfig, *, shard: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """This node's side of the agreement, as plain JSON values. A rank of a tensor-parallel
+    decode node adds its `shard` (rank, size and the KV heads [lo, hi) its pages hold) and
+    states the whole model's heads: its own layout holds only its part of them."""
+    out = {
         "protocol": VERSION,
         "engine": engine_kind(engine),
         "page_size": layout.page_size,
         "layers": layout.layers,
-        "kv_heads": layout.kv_heads,
+        "kv_heads": layout.kv_heads if shard is None else model.kv_heads,
         "head_dim": layout.head_dim,
         "dtype": layout.dtype,
         "model": model_fingerprint(model),
     }
+    if shard is not None:
+        out["shard"] = shard
+    return out
+
+
+def shard_heads(theirs: dict[str, Any], kv_heads: int) -> str | None:
+    """Why a peer's `shard` is unusable with a model of `kv_heads` KV heads (None: usable, or
+    no shard at all)."""
+    shard = theirs.get("shard")
+    if shard is None:
+        return None
+    try:
+        rank, size, (lo, hi) = int(shard["rank"]), int(shard["size"]), shard["heads"]
+        ok = (
+            0 <= rank < size
+            and size >= 1
+            and kv_heads % size == 0
+            and (lo, hi)
+            == (
+                rank * kv_heads // size,
+                (rank + 1) * kv_heads // size,
+            )
+        )
+    except (KeyError, TypeError, ValueError):
+        ok = False
+    if not ok:
+        return f"shard {shard!r} is not a rank's part of {kv_heads} KV heads"
+    return None
 
 
 def mismatch(mine: dict[str, Any], theirs: object, peer: str) -> str | None:

@@ -27,6 +27,11 @@ checks L2 pages against the checksums taken when they were written. A control co
 prefill that is lost is opened again by the next transfer, at the address `prefill_at` gives
 then (a prefill node restarted elsewhere is found there).
 
+With `--tp-size N` each rank runs this service over its part of the model and its heads of the
+KV; the ranks feed their cores in lockstep rounds (`runtime/tp_rounds.py`): `_feed` hands
+`Rounds` everything but a decode step's events, timers fire and agreements are answered there,
+and only rank 0 serves clients.
+
 Nothing a client or prefill sends stops the node: a bad frame ends its connection, a bad field
 its request, each with a reason in the log (`hicache.runtime.decode`) and, where the protocol
 allows, in an `error` answer; `Limits` bound the connections, the bytes of frames being received
@@ -40,7 +45,7 @@ import functools
 import logging
 import math
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TextIO
 
 import attrs
 import numpy as np
@@ -75,6 +80,9 @@ from hicache.runtime.model import TinyModel, from_pages
 from hicache.runtime.prefill_address import PrefillAddress
 from hicache.runtime.sampling_fields import check_sampling, draw, seed_for
 from hicache.runtime.storage.base import StorageBackend
+from hicache.runtime.tp_group import TPGroup
+from hicache.runtime.tp_model import head_range
+from hicache.runtime.tp_rounds import Rounds
 from hicache.runtime.transfer.base import TransferEngine
 
 log = logging.getLogger("hicache.runtime.decode")
@@ -133,6 +141,9 @@ class _Live:
     stop_ids: frozenset[int] = frozenset()  # a generated token among these ends the request
     finish_reason: str = ""  # "stop" (a stop token) or "length" (max_new), once Finished
     changed: trio.Event = attrs.Factory(trio.Event)  # set (and replaced) when tokens are added
+    seq: int = 0  # TP: its place in arrival order, the same on every rank
+    duplicate: bool = False  # TP: the core refused its arrival (an id still in use)
+    ranks: list[dict[str, Any]] = attrs.Factory(list)  # TP, rank 0: ranks 1..'s page reports
     prefill_cached: dict[str, int] | None = None  # prompt tokens prefill had cached, by tier
 
     @property
@@ -172,16 +183,26 @@ class DecodeService:
         limits: Limits | None = None,
         secret: ClusterSecret | None = None,
         api_keys: ApiKeys | None = None,
+        tp: TPGroup | None = None,
+        command_log: TextIO | None = None,
     ) -> None:
         """`check_pages` (default: whenever `faults` are given) verifies every page leaving L2
         against its checksum (pages received from prefill are always checked against prefill's
         digests); `limits` bound what clients may hold; `secret` (default:
         `ClusterSecret.load()`) is what the prefill node must prove it holds, and this node too;
-        `api_keys` say who clients are (None: open, see `runtime/api_keys.py`)."""
+        `api_keys` say who clients are (None: open, see `runtime/api_keys.py`). With `tp`, this
+        is one rank of a tensor-parallel node (`model` its part, `layout` its heads) run in
+        rounds with the others (`runtime/tp_rounds.py`); `command_log` (a text file) records
+        every command the core emits, for comparing ranks."""
         if layout.page_size != config.page_size:
             raise ValueError(f"layout page size {layout.page_size} != core page size {config.page_size}")
+        if tp is not None and faults is not None and faults.active:
+            raise ValueError("fault injection is not supported with --tp-size > 1")
         self.cfg = config
         self.core = DecodeNodeCore(config)
+        self.tp = tp
+        self.rounds = Rounds(self, tp) if tp is not None else None
+        self.command_log = command_log
         self.model = model
         self.layout = layout
         self.faults = RuntimeFaults(faults) if faults is not None and faults.active else None
@@ -229,7 +250,7 @@ class DecodeService:
         def spawn(fn: Callable[[Any], Awaitable[None]]) -> Callable[[Any], None]:
             return lambda c: self._spawn(fn, c)
 
-        return {
+        table = {
             cmd.QueryStorage: spawn(self._query),
             cmd.Prefetch: self._start_prefetch,
             cmd.CancelPrefetch: self._cancel_prefetch,
@@ -244,6 +265,27 @@ class DecodeService:
             cmd.Retract: self._retract,
             cmd.Respond: self._respond,
         }
+        if self.rounds is not None:
+            table[cmd.SetTimer] = self.rounds.set_timer
+            table[cmd.Agree] = self.rounds.agree
+        if self.command_log is not None:
+            table = {kind: self._logged(fn) for kind, fn in table.items()}
+        return table
+
+    def _logged(self, fn: Callable[[Any], None]) -> Callable[[Any], None]:
+        """`fn`, after writing its command to the command log (an agreement without its values,
+        which are this rank's own)."""
+
+        def run(c: Any) -> None:
+            shown = (
+                ("Agree", c.agreement, str(c.kind), [k for k, _ in c.values])
+                if isinstance(c, cmd.Agree)
+                else c
+            )
+            print(repr(shown), file=self.command_log, flush=True)
+            fn(c)
+
+        return run
 
     @property
     def core_events(self) -> int:
@@ -267,8 +309,15 @@ class DecodeService:
                 self._nursery = nursery
                 await self._connect_prefill()
                 nursery.start_soon(self._notif_loop)
-                nursery.start_soon(self._tick_loop)
-                nursery.start_soon(self._decode_loop)
+                if self.rounds is not None:
+                    await self.tp.ready()  # type: ignore[union-attr]
+                    nursery.start_soon(self.rounds.run)
+                    if self.tp.rank != 0:  # type: ignore[union-attr]
+                        task_status.started(0)  # only rank 0 serves clients
+                        return
+                else:
+                    nursery.start_soon(self._tick_loop)
+                    nursery.start_soon(self._decode_loop)
                 serve = functools.partial(trio.serve_tcp, self._client, client_port, host=host)
                 listeners = await nursery.start(serve)
                 task_status.started(listeners[0].socket.getsockname()[1])
@@ -300,7 +349,7 @@ class DecodeService:
             await peer_auth.initiate(
                 self.secret, functools.partial(protocol.send, stream), hear, "the prefill node"
             )
-            mine = compat.profile(self.layout, self.engine, self.model.config)
+            mine = compat.profile(self.layout, self.engine, self.model.full_config, shard=self._shard())
             hello = {"op": "hello", "info": self.engine.local_info().hex(), "profile": mine}
             await protocol.send(stream, hello)
             hello = await hear()
@@ -418,9 +467,17 @@ class DecodeService:
                 await trio.sleep(self.tick_interval)
             return {"op": "idle", "ok": True}, b""
         if op == "stats":
-            return {"op": "stats", **attrs.asdict(self.core.stats), **self.gauges()}, b""
+            reply = {"op": "stats", **attrs.asdict(self.core.stats), **self.gauges()}
+            if self.rounds is not None:
+                others = await self.rounds.ask("gauges")
+                reply["ranks"] = [self.gauges(), *(others[r] for r in sorted(others))]
+            return reply, b""
         if op == "audit":
-            return {"op": "audit", **self.audit()}, b""
+            reply = {"op": "audit", **self.audit()}
+            if self.rounds is not None:
+                others = await self.rounds.ask("audit")
+                reply["ranks"] = [self.audit(), *(others[r] for r in sorted(others))]
+            return reply, b""
         if op == "config":  # what this node runs with: a front door records it with a trace
             if not who.admin:
                 raise protocol.MessageError("message 'config': needs an admin API key")
@@ -530,11 +587,14 @@ class DecodeService:
         live.stop_ids = frozenset(stops)
         keys = page_keys(np.asarray(prompt, dtype=np.int64), self.cfg.page_size, seed).tolist()
         self.live[rid] = live
-        try:
-            self._feed(ev.RequestArrived(live.arrival, rid, len(prompt), keys), refuse=True)
-        except CoreError:  # the core still keeps an ended request of that id (I/O in flight)
-            del self.live[rid]
-            return duplicate, b""
+        if self.rounds is not None:
+            self.rounds.arrive(live, keys)  # every rank feeds it in the next round
+        else:
+            try:
+                self._feed(ev.RequestArrived(live.arrival, rid, len(prompt), keys), refuse=True)
+            except CoreError:  # the core still keeps an ended request of that id (I/O in flight)
+                del self.live[rid]
+                return duplicate, b""
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._watch, live, reader)
             if streaming:
@@ -542,6 +602,8 @@ class DecodeService:
             await live.answer.wait()
             nursery.cancel_scope.cancel()
         del self.live[rid]
+        if live.duplicate:
+            return duplicate, b""
         # The core drops it once no I/O refers to it any more.
         self._feed(ev.ForgetRequested(self._now(), rid))
         self._log_request(live)
@@ -560,6 +622,12 @@ class DecodeService:
             "final_pages": live.final_pages,
             "prefill_cached": live.prefill_cached or {},
         }
+        if self.tp is not None:  # each rank's pages hold its heads: the ledger checks them per rank
+            reply["tp_ranks"] = [
+                {"start_pages": r["start_pages"], "final_pages": r["final_pages"]} for r in live.ranks
+            ]
+            if live.verify and live.start_kv:
+                return reply, self._whole_kv(live)
         return reply, live.start_kv
 
     def _log_request(self, live: _Live) -> None:
@@ -634,7 +702,15 @@ class DecodeService:
         """Feed the core and execute its commands; the first event since the last tick asks
         the tick loop for the next one. A refused event changes nothing in the core, so it is
         logged and dropped (an arrival's caller asks with `refuse` to answer it instead): what a
-        peer's late or doubled answer makes the driver feed never stops the node."""
+        peer's late or doubled answer makes the driver feed never stops the node. A TP rank
+        feeds all but its decode steps' events in its next round (`runtime/tp_rounds.py`)."""
+        if self.rounds is not None:
+            if self.rounds.feed(event):
+                return
+            event = attrs.evolve(event, at=self.rounds.now)  # a decode step's: the round's time
+        self._feed_now(event, refuse=refuse)
+
+    def _feed_now(self, event: ev.Event, *, refuse: bool = False) -> None:
         try:
             tick = self.dispatch.feed(event)
         except CoreError as exc:
@@ -643,7 +719,7 @@ class DecodeService:
             log.error("the core refused %s: %s", type(event).__name__, exc)
             self.refused_events += 1
             return
-        if tick:
+        if tick and self.rounds is None:
             self._tick_due.set()
 
     async def _tick_loop(self) -> None:
@@ -760,6 +836,7 @@ class DecodeService:
         msg = {
             "op": "kv",
             "tid": c.transfer,
+            **({"heads": list(self._heads)} if self.tp is not None else {}),
             "tokens": live.tokens[:prompt_len],
             "namespace": live.seed,  # prefill reuses work only within one tenant's namespace
             "sampling": live.sampling,  # prefill draws the first token as the decode node draws the rest
@@ -1095,7 +1172,66 @@ class DecodeService:
             live.final_pages = [page_digest(p) for p in self.l1.data[torch.tensor(full, dtype=torch.int64)]]
         live.running = False
         live.slots = []
-        live.answer.set()
+        if self.tp is None:
+            live.answer.set()
+        elif self.tp.rank == 0:
+            self.rounds.release(c.req)  # type: ignore[union-attr]
+        else:  # what rank 0's reply needs of this rank
+            info = {"start_pages": live.start_pages, "final_pages": live.final_pages, "kv": live.start_kv}
+            self.rounds.report(c.req, info)  # type: ignore[union-attr]
+
+    # ------------------------------------------------------------------ tensor parallelism
+
+    @property
+    def _heads(self) -> tuple[int, int]:
+        assert self.tp is not None
+        return head_range(self.model.full_config, self.tp.rank, self.tp.size)
+
+    def _shard(self) -> dict[str, Any] | None:
+        """This rank's place in its TP group, for the hello's profile (None: one rank)."""
+        if self.tp is None:
+            return None
+        return {"rank": self.tp.rank, "size": self.tp.size, "heads": list(self._heads)}
+
+    def new_live(self, rid: str, fields: dict[str, Any]) -> _Live:
+        """Ranks 1..: a request rank 0's client sent, with the data rank 0 passed on."""
+        live = _Live(rid, **fields)
+        self.live[rid] = live
+        return live
+
+    def local_answer(self, what: str) -> dict[str, Any]:
+        """This rank's answer to rank 0's `stats` ("gauges") or `audit`."""
+        return self.gauges() if what == "gauges" else self.audit()
+
+    def _whole_kv(self, live: _Live) -> bytes:
+        """Rank 0: the request's KV over all heads, from each rank's part (heads are axis 3)."""
+        shape = (self.layout.layers, 2, -1, self.layout.kv_heads, self.layout.head_dim)
+        dtype = self.layout.torch_dtype
+        parts = [live.start_kv, *(r["kv"] for r in live.ranks)]
+        tensors = [torch.frombuffer(bytearray(p), dtype=dtype).view(shape) for p in parts]
+        return torch.cat(tensors, dim=3).contiguous().numpy().tobytes()
+
+    async def tp_decode_step(self) -> None:
+        """One decode step of a round: every rank steps the same batch in the same order (the
+        model's all-reduces pair up), and feeds the same `Finished` and `Decoded` events."""
+        batch = sorted((x for x in self.live.values() if x.running), key=lambda x: x.seq)
+        for live in batch:
+            if live.gen and live.gen[-1] in live.stop_ids:
+                live.finish_reason = "stop"
+            elif len(live.gen) >= live.max_new:
+                live.finish_reason = "length"
+            else:
+                continue
+            live.running = False
+            self._feed(ev.Finished(self.rounds.now, live.rid))  # type: ignore[union-attr]
+        batch = [x for x in batch if x.running]
+        for first in range(0, len(batch), len(self._scratch)):
+            part = batch[first : first + len(self._scratch)]
+            step = self._step_plan(part)
+            tokens = await self.tp.decode_step(functools.partial(self._step, step))  # type: ignore[union-attr]
+            for live, scratch, token in zip(part, self._scratch, tokens, strict=False):
+                if live.running:
+                    self._advance(live, scratch, token)
 
 
 def _cached_tokens(value: object) -> dict[str, int]:

@@ -430,6 +430,10 @@ class LlamaModel:
         self.weights = weights
         self.eos_token_ids: frozenset[int] = frozenset(int(t) for t in eos_token_ids)
         self._inv_freq = rope_inv_freq(config)  # (head_dim / 2,), float64
+        # Tensor parallelism (`runtime/tp_model.py`): the sum over ranks of the row-split
+        # o_proj and down projections' partial outputs; None on a whole model.
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.full_config: LlamaConfig = config  # the whole model's, also on a rank's part
 
     def parameters(self) -> dict[str, torch.Tensor]:
         """Every weight by name (views, not copies): for comparing models and checksums."""
@@ -492,10 +496,12 @@ class LlamaModel:
                 rows = last
                 x, q, cos, sin = x[last], q[last], cos[last], sin[last]
             q = _apply_rope(q.reshape(-1, cfg.q_heads, cfg.head_dim), cos, sin)
-            x = x + kv.attend(index, q, rows) @ layer.wo
+            attn = kv.attend(index, q, rows) @ layer.wo
+            x = x + (attn if self.reduce is None else self.reduce(attn))
             h = _rms_norm(x, layer.mlp_norm, cfg.rms_eps)
             gate, up = (h @ layer.gate_up).split(cfg.ffn, dim=1)
-            x = x + (F.silu(gate) * up) @ layer.w_down
+            mlp = (F.silu(gate) * up) @ layer.w_down
+            x = x + (mlp if self.reduce is None else self.reduce(mlp))
         if last.shape[0] < x.shape[0]:
             x = x[last]
         return _rms_norm(x, w.final_norm, cfg.rms_eps) @ w.head

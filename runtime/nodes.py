@@ -46,6 +46,8 @@ from hicache.runtime.prefill_cache import DEFAULT_CACHE_BYTES, Speeds
 from hicache.runtime.prefill_node import DEFAULT_LAYER_GROUPS, PrefillNode
 from hicache.runtime.storage.file_store import FileStore
 from hicache.runtime.storage.memory_store import MemoryStore
+from hicache.runtime.tp_group import TPFailure, TPGroup
+from hicache.runtime.tp_model import check_split, shard_model
 from hicache.runtime.transfer.base import TransferEngine
 from hicache.runtime.transfer.tcp import TcpEngine
 
@@ -169,6 +171,12 @@ class DecodeOptions:
     limits: Limits = Limits()
     secret_file: Path | None = None  # None: HICACHE_CLUSTER_SECRET, else the default file
     api_keys: Path | None = None  # None: an open node (every client an admin naming its tenant)
+    # Tensor parallelism (`core.tp_size` ranks): rank 0 starts the others with `tp_argv`.
+    tp_rank: int = 0
+    tp_store: tuple[str, int] | None = None  # ranks 1..: rank 0's store
+    tp_argv: tuple[str, ...] = ()
+    collective_timeout: float = 5.0
+    command_log: Path | None = None  # a folder: each rank's commands in rank<R>.log
 
 
 def _secret(path: Path | None) -> ClusterSecret:
@@ -281,13 +289,45 @@ def _prefill_flag(prefill: PrefillAddress | tuple[str, int]) -> str:
     return f"--prefill {prefill}"
 
 
+def _tp_group(opts: DecodeOptions, model: LlamaModel) -> TPGroup | None:
+    """This rank's TP group (rank 0 starts the others); None for a single-rank node."""
+    size, rank = opts.core.tp_size, opts.tp_rank
+    if size == 1:
+        return None
+    why = check_split(model.config, size)
+    if why is not None:
+        raise StartupError(why)
+    if opts.faults is not None and opts.faults.active:
+        raise StartupError(f"--faults: fault injection is not supported with --tp-size {size}")
+    timeout = opts.collective_timeout
+    try:
+        if rank == 0:
+            return TPGroup.lead(size, opts.host, timeout, opts.tp_argv, "cpu")
+        assert opts.tp_store is not None
+        return TPGroup.join(rank, size, opts.tp_store, timeout, "cpu")
+    except (RuntimeError, OSError) as exc:
+        raise StartupError(f"--tp-size {size}: cannot form the group's store ({exc})") from exc
+
+
 async def run_decode(opts: DecodeOptions) -> None:
     model, model_name = build_model(opts.model)
+    group = _tp_group(opts, model)
+    try:
+        await _run_decode(opts, model, model_name, group)
+    finally:
+        if group is not None:
+            group.stop_children()
+
+
+async def _run_decode(opts: DecodeOptions, model: LlamaModel, model_name: str, group: TPGroup | None) -> None:
+    rank = 0 if group is None else group.rank
+    if group is not None:
+        model = shard_model(model, rank, group.size, group.all_reduce_sum)
     layout = layout_for(model.config, opts.core.page_size)
     core = opts.core
     if opts.l2_gigabytes > 0:  # --hicache-size: GB of host memory, in this model's pages
         core = attrs.evolve(core, l2_pages=int(opts.l2_gigabytes * 1e9 // layout.page_bytes))
-    capacity = opts.storage_capacity
+    capacity, tp_size = opts.storage_capacity, opts.core.tp_size
     files = FileStore
     if opts.storage_backend == "nixl":
         try:
@@ -296,8 +336,8 @@ async def run_decode(opts: DecodeOptions) -> None:
             raise StartupError(f"--hicache-storage-backend nixl: {exc}") from exc
         files = NixlFileStore
     try:
-        store = (
-            files(opts.storage_dir, layout, capacity_bytes=capacity or None)
+        store = (  # with TP ranks, each rank its own shard (`FileStore`'s rank and tp_size)
+            files(opts.storage_dir, layout, capacity_bytes=capacity or None, rank=rank, tp_size=tp_size)
             if opts.storage_dir is not None
             else MemoryStore(layout, capacity_pages=max(1, capacity // layout.page_bytes) if capacity else 0)
         )
@@ -312,9 +352,14 @@ async def run_decode(opts: DecodeOptions) -> None:
         keys = ApiKeys.load(opts.api_keys) if opts.api_keys is not None else None
     except ApiKeyError as exc:
         raise StartupError(f"--api-keys {exc}") from exc
-    await _check_listen(opts.host, opts.port)
+    if rank == 0:
+        await _check_listen(opts.host, opts.port)
     # A restarted decode node must not reuse its predecessor's agent name: peers still know it.
     engine = make_engine(opts.engine, f"decode-{opts.engine}-{os.getpid()}", secret, opts.host)
+    log_file = None
+    if opts.command_log is not None:
+        opts.command_log.mkdir(parents=True, exist_ok=True)
+        log_file = (opts.command_log / f"rank{rank}.log").open("w")
     async with engine, trio.open_nursery() as nursery:
         service = DecodeService(
             core,
@@ -328,17 +373,23 @@ async def run_decode(opts: DecodeOptions) -> None:
             limits=opts.limits,
             secret=secret,
             api_keys=keys,
+            tp=group,
+            command_log=log_file,
         )
         nursery.start_soon(_until_signal, nursery.cancel_scope)
         start = functools.partial(service.run, opts.port, opts.prefill, host=opts.host)
         try:
             port = await nursery.start(start)
         except BaseException as exc:
+            if isinstance(sole(exc), TPFailure):
+                raise StartupError(str(sole(exc))) from exc
             line = _decode_start_failure(sole(exc), opts)
             if line is None:
                 raise
             raise StartupError(line) from exc
         info = {"node": "decode", "port": port, "engine": engine.name}
+        if group is not None:
+            info.update(tp_size=group.size, tp_rank=rank, tp_pids=[c.pid for c in group.children])
         if isinstance(store, FileStore):
             info["leftovers_removed"] = store.leftovers_removed
         _ready(info)
@@ -360,4 +411,7 @@ def main_decode(opts: DecodeOptions) -> int:
     with _startup_error_unwrapped():
         trio.run(run_decode, opts)
     sys.stdout.flush()
+    if opts.core.tp_size > 1:  # a collective's worker thread may still sit in gloo: do not join it
+        sys.stderr.flush()
+        os._exit(0)
     return 0

@@ -54,7 +54,8 @@ from hicache.runtime.prefill_cache import (
 )
 from hicache.runtime.sampling_fields import check_sampling, draw
 from hicache.runtime.storage.base import StorageBackend
-from hicache.runtime.transfer.base import Span, TransferEngine, XferHandle, XferState
+from hicache.runtime.tp_kv import head_parts, heads_field
+from hicache.runtime.transfer.base import MemoryRegion, Span, TransferEngine, XferHandle, XferState
 
 
 class _PageAllocator:
@@ -125,6 +126,7 @@ class PrefillNode:
         self.engine = engine
         self.staging = KVPool(layout, staging_pages, name="prefill-staging")
         self.region = engine.register("staging", self.staging.bytes_view())
+        self._parts = head_parts(self.staging, engine)  # TP: pages of 1/d of the heads
         self.pages = _PageAllocator(staging_pages)
         self.transfer_timeout = transfer_timeout
         if layer_groups < 0:
@@ -201,7 +203,9 @@ class PrefillNode:
                     f"message 'hello': bad field 'info': {protocol.clip(str(exc))}"
                 ) from None
             mine = compat.profile(self.layout, self.engine, self.model.config)
-            why = compat.mismatch(mine, hello.get("profile"), "the decode node")
+            why = compat.mismatch(mine, hello.get("profile"), "the decode node") or compat.shard_heads(
+                hello.get("profile"), self.layout.kv_heads
+            )
             if why is not None:  # checked before the peer is known to the engine
                 raise protocol.MessageError(f"message 'hello': {why}")
             try:
@@ -340,9 +344,10 @@ class PrefillNode:
             if len(dst) != last_page - first_page:
                 raise ValueError(f"{len(dst)} destination pages for pages {first_page}..{last_page - 1}")
             sampling = check_sampling(msg.get("sampling"), self.model.config.vocab)
+            heads = heads_field(msg, self.layout.kv_heads)
             notif = f"kv:{tid}".encode()
             done, digests = await self._prefill_and_send(
-                tokens, namespace, first_page, last_page, peer, dst, notif
+                tokens, namespace, first_page, last_page, peer, dst, notif, heads
             )
             # The first token is drawn here as the decode node draws the rest (`sampling_fields`).
             (first_token,) = draw(done.logits[None, :], [sampling], [len(tokens)])
@@ -383,22 +388,30 @@ class PrefillNode:
         peer: str,
         dst: list[int],
         notif: bytes,
+        heads: tuple[int, int] | None = None,
     ) -> tuple[Prefilled, list[str]]:
         """Prefill the prompt and WRITE pages [first, last) into `dst` at `peer`: layer group by
         layer group while prefill computes them (`layer_groups`), else once it is done. Each
         WRITE is posted once the one before is done, and the notification rides on the last,
-        so the decode node hears of the transfer only when every byte is there. Returns the
-        prefill and the digests of the pages sent. Every WRITE has settled (nothing of it moves)
-        when this returns or raises, so staging pages and the decode node's pages are free."""
+        so the decode node hears of the transfer only when every byte is there. With `heads`
+        (a TP rank's [lo, hi)), only those heads of each page, staged as the first part of a
+        staging page. Returns the prefill and the digests of the pages sent. Every WRITE has
+        settled (nothing of it moves) when this returns or raises, so staging pages and the
+        decode node's pages are free."""
+        region, staging, per, part = self.region, self.staging.data, 1, slice(None)
+        if heads is not None:
+            per = self.layout.kv_heads // (heads[1] - heads[0])
+            region, staging = self._parts[per]
+            part = slice(heads[0], heads[1])
         slots = await self.pages.take(len(dst))
-        idx = torch.tensor(slots, dtype=torch.int64)
-        staging = self.staging.data
+        parts = [s * per for s in slots]  # staging page s holds parts s*per .. s*per+per-1
+        idx = torch.tensor(parts, dtype=torch.int64)
         layers = self.layout.layers
         ready_send, ready = trio.open_memory_channel[tuple[int, int]](math.inf)
         token = trio.lowlevel.current_trio_token()
 
-        def deliver(lo: int, hi: int, part: torch.Tensor) -> None:  # on the compute thread
-            staging[idx, lo:hi] = part.to(staging.dtype)
+        def deliver(lo: int, hi: int, pages: torch.Tensor) -> None:  # on the compute thread
+            staging[idx, lo:hi] = pages[:, :, :, :, part].to(staging.dtype)
             trio.from_thread.run_sync(ready_send.send_nowait, (lo, hi), trio_token=token)
 
         stream = None
@@ -407,12 +420,12 @@ class PrefillNode:
         unsettled: list[XferHandle] = []
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._ship, ready, slots, peer, dst, notif, unsettled)
+                nursery.start_soon(self._ship, ready, region, parts, peer, dst, notif, unsettled)
                 with ready_send:
                     done = await self._kv(tokens, namespace, first, last, stream)
                     if stream is None or stream.sent == 0:  # not streamed: the pages at once
                         if slots:
-                            staging[idx] = done.pages.to(staging.dtype)
+                            staging[idx] = done.pages[:, :, :, :, part].to(staging.dtype)
                         ready_send.send_nowait((0, layers))
                     else:
                         self.streamed += 1
@@ -425,22 +438,23 @@ class PrefillNode:
     async def _ship(
         self,
         ready: trio.MemoryReceiveChannel[tuple[int, int]],
-        slots: list[int],
+        region: MemoryRegion,
+        parts: list[int],
         peer: str,
         dst: list[int],
         notif: bytes,
         unsettled: list[XferHandle],
     ) -> None:
-        """WRITE each layer group [lo, hi) of the staged pages as it becomes ready, one at a
-        time; the last carries the notification."""
+        """WRITE each layer group [lo, hi) of the staged pages (`parts` of `region`) as it
+        becomes ready, one at a time; the last carries the notification."""
         layers = self.layout.layers
-        layer_bytes = self.layout.page_bytes // layers
+        layer_bytes = region.page_bytes // layers
         async with ready:
             async for lo, hi in ready:
                 whole = (lo, hi) == (0, layers)
                 span = None if whole else Span(lo * layer_bytes, (hi - lo) * layer_bytes)
                 handle = await self.engine.post(
-                    "WRITE", self.region, slots, peer, "L1", dst, notif, span=span, final=hi == layers
+                    "WRITE", region, parts, peer, "L1", dst, notif, span=span, final=hi == layers
                 )
                 unsettled.append(handle)
                 state = await self.engine.wait(handle, timeout=self.transfer_timeout)

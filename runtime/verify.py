@@ -5,7 +5,8 @@
   restored from any tier equals a version that a producer computed earlier (prefill for prompt
   pages, the decode step for output pages). A page can have more than one version only when the
   cache lost every copy and it was computed again, so "restoring copies, never alters" is
-  exactly this check.
+  exactly this check. A tensor-parallel node's reply carries each rank's pages (its own heads)
+  beside rank 0's (`tp_ranks`): each rank's pages are checked against that rank's versions.
 - The assembled KV matches one monolithic forward pass over the prompt within 1e-9 relative
   error (the model runs in float64), and the generated tokens equal greedy generation.
 """
@@ -31,7 +32,8 @@ class KVLedger:
         self.model = model
         self.page = page_size
         self.model_name = model_name
-        self.versions: dict[int, set[str]] = {}
+        self.versions: dict[int, set[str]] = {}  # rank 0's (the only rank of a one-rank node)
+        self.rank_versions: dict[int, dict[int, set[str]]] = {0: self.versions}
 
     def check(
         self,
@@ -47,13 +49,17 @@ class KVLedger:
         rid = reply.get("rid")
         if reply.get("outcome") != "finished":
             return [f"{rid}: {reply.get('outcome')}: {reply.get('reason')}"]
-        pages = reply["start_pages"]
-        for i, p in enumerate(pages):
-            if p["source"] == "prefill":
-                if p["digest"] != p["sent"]:
-                    problems.append(f"{rid}: page {i} differs from what prefill sent")
-            elif p["key"] is None or p["digest"] not in self.versions.get(int(p["key"]), set()):
-                problems.append(f"{rid}: restored page {i} matches no version ever computed for its key")
+        for rank, part in enumerate(self._ranks(reply)):
+            versions = self.rank_versions.setdefault(rank, {})
+            on = f" on rank {rank}" if rank else ""
+            for i, p in enumerate(part["start_pages"]):
+                if p["source"] == "prefill":
+                    if p["digest"] != p["sent"]:
+                        problems.append(f"{rid}: page {i}{on} differs from what prefill sent")
+                elif p["key"] is None or p["digest"] not in versions.get(int(p["key"]), set()):
+                    problems.append(
+                        f"{rid}: restored page {i}{on} matches no version ever computed for its key"
+                    )
         tokens = torch.tensor(prompt, dtype=torch.int64)
         want, _ = self.model.generate(tokens, max_new)
         if reply["tokens"] != want.tolist():
@@ -71,12 +77,19 @@ class KVLedger:
         self._record(prompt, reply, tenant)
         return problems
 
+    @staticmethod
+    def _ranks(reply: dict[str, Any]) -> list[dict[str, Any]]:
+        """Each rank's page reports: rank 0's are the reply's own."""
+        return [reply, *reply.get("tp_ranks", ())]
+
     def _record(self, prompt: list[int], reply: dict[str, Any], tenant: str | None) -> None:
-        for p in reply["start_pages"]:
-            if p["source"] == "prefill" and p["key"] is not None:
-                self.versions.setdefault(int(p["key"]), set()).add(p["sent"])
         seq = prompt + reply["tokens"][:-1]  # the last token's KV is never computed
         seed = namespace_seed(self.model_name, tenant)
         keys = page_keys(np.asarray(seq, dtype=np.int64), self.page, seed).tolist()
-        for key, digest in zip(keys, reply["final_pages"], strict=False):
-            self.versions.setdefault(key, set()).add(digest)
+        for rank, part in enumerate(self._ranks(reply)):
+            versions = self.rank_versions.setdefault(rank, {})
+            for p in part["start_pages"]:
+                if p["source"] == "prefill" and p["key"] is not None:
+                    versions.setdefault(int(p["key"]), set()).add(p["sent"])
+            for key, digest in zip(keys, part["final_pages"], strict=False):
+                versions.setdefault(key, set()).add(digest)

@@ -215,6 +215,17 @@ def test_serve_passes_its_cache_flags_on_to_the_decode_node() -> None:
     assert cache_flags.forwarded(build_parser().parse_args(["serve"])) == []
 
 
+def test_serve_refuses_a_tp_size_for_a_node_it_does_not_start() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "hicache", "serve", "--decode", "127.0.0.1:1", "--tp-size", "2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    assert "--tp-size: sets the decode node started here" in done.stderr
+
+
 def test_serve_refuses_cache_flags_for_a_node_it_does_not_start() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "hicache", "serve", "--decode", "127.0.0.1:1", "--l1-pages", "5"],
