@@ -291,7 +291,8 @@ class DecodeNodeCore:
         self._outbox.append(c)
 
     def _collect_tree(self) -> None:
-        self._outbox.extend(self.tree.drain())
+        if self.tree.outbox:
+            self._outbox.extend(self.tree.drain())
 
     def _req(self, rid: str, event: object) -> Request:
         r = self.requests.get(rid)
