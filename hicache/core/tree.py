@@ -531,7 +531,7 @@ class TieredRadixTree:
             n.host = host_slots[start : start + size]
             start += size
             n.host_pending = True
-            n.ops.add(op)
+            n.ops += (op,)
             device.extend(n.device)  # type: ignore[arg-type]  # unbacked nodes are on L1
         self._op_nodes[op] = chain
         self.outbox.append(Backup(op, tuple(device), host_slots))
@@ -552,7 +552,7 @@ class TieredRadixTree:
         good: list[TreeNode] = []
         start = 0
         for n in nodes:
-            n.ops.discard(op)
+            n.ops = _without(n.ops, op)
             if self._retired:
                 self._free_retired_if_idle(n)  # an earlier L2 copy given up while this op ran
             size = len(n.keys)
@@ -691,7 +691,7 @@ class TieredRadixTree:
         keys: list[int] = []
         host: list[int] = []
         for n in nodes:
-            n.ops.add(op)
+            n.ops += (op,)
             keys.extend(n.keys)
             host.extend(n.host)  # type: ignore[arg-type]
         self._op_nodes[op] = nodes
@@ -713,7 +713,7 @@ class TieredRadixTree:
         start = 0
         for n in nodes:
             size = len(n.keys)
-            n.ops.discard(op)
+            n.ops = _without(n.ops, op)
             if n.detached:  # cut out meanwhile: only its retired slots wait for this op
                 pass
             elif not bad:
@@ -794,7 +794,7 @@ class TieredRadixTree:
         new.last_access = node.last_access
         new.priority = node.priority
         new.evict_after_backup = node.evict_after_backup
-        new.ops = set(node.ops)
+        new.ops = node.ops
         for op in node.ops:
             self._op_nodes[op].append(new)
         parent.children[new.keys[0]] = new
@@ -945,6 +945,11 @@ def first_failed(failed: Sequence[int], total: int, what: str) -> int:
     if any(not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < total for i in failed):
         raise CoreError(f"{what}: failed pages {list(failed)!r} outside [0, {total})")
     return min(failed)
+
+
+def _without(ops: tuple[int, ...], op: int) -> tuple[int, ...]:
+    """`ops` less `op` (a node is covered by a few operations at most)."""
+    return tuple(o for o in ops if o != op) if op in ops else ops
 
 
 def _as_tuple(keys: Sequence[int] | np.ndarray) -> tuple[int, ...]:
