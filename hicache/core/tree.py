@@ -124,8 +124,12 @@ class TieredRadixTree:
         self.num_nodes = 0
         self.outbox: list[Command] = []
         self.stats = TreeStats()
-        self._l1_heap: list[tuple[tuple[float, ...], int, int, TreeNode]] = []
-        self._l2_heap: list[tuple[tuple[float, ...], int, int, TreeNode]] = []
+        # Eviction heaps of (key, version, node id): no node in an entry, so that the garbage
+        # collector stops scanning an entry after its first collection; `_by_id` finds the node
+        # (every node in the tree, not the root; an entry whose node left is skipped).
+        self._l1_heap: list[tuple[tuple[float, ...], int, int]] = []
+        self._l2_heap: list[tuple[tuple[float, ...], int, int]] = []
+        self._by_id: dict[int, TreeNode] = {}
         self._ops = ids if ids is not None else itertools.count(1)
         # Slots whose nodes gave them up while a pin or an op still used them; freed when it ends.
         self._retired: dict[TreeNode, list[tuple[int, ...]]] = {}
@@ -294,6 +298,7 @@ class TieredRadixTree:
             node.children[keys[i]] = leaf
             node.dev_children += 1
             self.num_nodes += 1
+            self._by_id[leaf.id] = leaf
             leaf.device = fresh[i - h :]
             self._push_l1(leaf)
             node = leaf
@@ -385,9 +390,11 @@ class TieredRadixTree:
         demoted: list[int] = []
         dropped: list[int] = []
         # Read the heap attribute each time: a push below may rebuild it into a new list.
+        by_id = self._by_id
         while freed + pending < pages and self._l1_heap:
-            key, ver, _, node = heapq.heappop(self._l1_heap)
-            if ver != node.l1_ver:
+            key, ver, nid = heapq.heappop(self._l1_heap)
+            node = by_id.get(nid)  # type: ignore[assignment]
+            if node is None or ver != node.l1_ver:
                 continue
             node.l1_queued = False
             if not self._l1_evictable(node):
@@ -413,9 +420,11 @@ class TieredRadixTree:
         """Free at least `pages` L2 pages from unpinned host-only leaves, lowest priority first."""
         freed = 0
         dropped: list[int] = []
+        by_id = self._by_id
         while freed < pages and self._l2_heap:
-            key, ver, _, node = heapq.heappop(self._l2_heap)
-            if ver != node.l2_ver:
+            key, ver, nid = heapq.heappop(self._l2_heap)
+            node = by_id.get(nid)  # type: ignore[assignment]
+            if node is None or ver != node.l2_ver:
                 continue
             node.l2_queued = False
             if not self._l2_evictable(node):
@@ -482,6 +491,7 @@ class TieredRadixTree:
         parent = node.parent
         assert parent is not None and not node.children
         del parent.children[node.keys[0]]
+        del self._by_id[node.id]
         if node.host_ref:
             # A pin on a node cut out below it (`_cut_out`) still walks up through it to the
             # root when it lets go: like that node, it keeps its parent link, detached.
@@ -624,6 +634,7 @@ class TieredRadixTree:
             stack.extend(x.children.values())
             x.children = {}
             x.detached = True
+            del self._by_id[x.id]
             self.num_nodes -= 1
             keys.extend(x.keys)
             self._retire_host(x)
@@ -778,6 +789,7 @@ class TieredRadixTree:
         parent = node.parent
         assert parent is not None and 0 < k < len(node.keys)
         new = TreeNode(next(self._node_ids), node.keys[:k], parent, node.created)
+        self._by_id[new.id] = new
         node.keys = node.keys[k:]
         if node.device is not None:
             new.device = node.device[:k]
@@ -829,21 +841,21 @@ class TieredRadixTree:
     def _push_l1(self, node: TreeNode) -> None:
         node.l1_ver += 1
         node.l1_queued = True
-        heapq.heappush(self._l1_heap, (self._priority(node), node.l1_ver, node.id, node))
+        heapq.heappush(self._l1_heap, (self._priority(node), node.l1_ver, node.id))
         if len(self._l1_heap) > 4 * self.num_nodes + 1024:
             self._l1_heap = self._rebuild(self._l1_heap, "l1_ver")
 
     def _push_l2(self, node: TreeNode) -> None:
         node.l2_ver += 1
         node.l2_queued = True
-        heapq.heappush(self._l2_heap, (self._priority(node), node.l2_ver, node.id, node))
+        heapq.heappush(self._l2_heap, (self._priority(node), node.l2_ver, node.id))
         if len(self._l2_heap) > 4 * self.num_nodes + 1024:
             self._l2_heap = self._rebuild(self._l2_heap, "l2_ver")
 
-    @staticmethod
-    def _rebuild(heap: list, ver: str) -> list:
+    def _rebuild(self, heap: list, ver: str) -> list:
         """Drop superseded entries so the lazy heap stays proportional to the tree."""
-        live = [e for e in heap if e[1] == getattr(e[3], ver) and e[3].parent is not None]
+        by_id = self._by_id
+        live = [e for e in heap if (n := by_id.get(e[2])) is not None and e[1] == getattr(n, ver)]
         heapq.heapify(live)
         return live
 
@@ -887,6 +899,8 @@ class TieredRadixTree:
             where = f"tree check: {n!r}"
             if n.parent is not parent or parent.children.get(n.keys[0]) is not n:
                 raise CoreError(f"{where}: parent link broken")
+            if self._by_id.get(n.id) is not n:
+                raise CoreError(f"{where}: not found by its id")
             if not n.keys:
                 raise CoreError(f"{where}: holds no pages")
             if n.device is None and n.host is None:
@@ -920,6 +934,8 @@ class TieredRadixTree:
             stack.extend((c, n) for c in n.children.values())
         if count != self.num_nodes:
             raise CoreError(f"tree check: num_nodes {self.num_nodes}, found {count}")
+        if len(self._by_id) != count:
+            raise CoreError(f"tree check: {len(self._by_id)} nodes by id, found {count}")
         for node, retired in self._retired.items():
             if not (node.ops or node.host_ref):
                 raise CoreError(f"tree check: {node!r} keeps retired L2 slots that nothing uses")
