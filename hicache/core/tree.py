@@ -827,6 +827,12 @@ class TieredRadixTree:
                 self._push_l1(node)
         elif not node.children and not (lower_bound and node.l2_queued):
             self._push_l2(node)
+            return
+        if not lower_bound:
+            # Not evictable from L2 now (still on L1, or not a leaf), and its key may have
+            # fallen below its queued L2 entry's: that entry is no lower bound any more, so the
+            # node is queued afresh when it becomes evictable there (`_queue_l2`).
+            node.l2_queued = False
 
     def _queue_l1(self, node: TreeNode) -> None:
         """`node` may have become evictable from L1: make sure an entry for it is queued (one
