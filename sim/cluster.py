@@ -245,7 +245,7 @@ class Cluster:
             )
         keys = self._keys[item.id] if self._keys is not None else item.sequence_keys(page, model)
         seq = keys.tolist()
-        prompt = seq[: item.prompt_len // page]
+        prompt = tuple(seq[: item.prompt_len // page])  # the form the trees compare: converted once
         p = self.prefill_router.choose(
             item.session, [n.load for n in self.prefill], lambda i: self.prefill[i].peek(prompt)
         )

@@ -157,7 +157,7 @@ class DecodeDriver:
             self.loop.call_after(self.tick_interval, self._on_tick)
 
     def _on_tick(self) -> None:
-        self._feed(ev.Tick(self.loop.now))
+        self.dispatcher.tick(self.loop.now)
 
     def _feed_at(self, kind: type, op: int) -> None:
         self._feed(kind(self.loop.now, op))

@@ -303,3 +303,35 @@ TestTieredTree.settings = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
+
+
+class _First:
+    """Stands in for hypothesis' `data` in a replayed run: every draw takes the first choice."""
+
+    def draw(self, strategy: object) -> int:
+        return 0
+
+
+def test_mru_a_use_on_l1_reorders_the_l2_queue() -> None:
+    """Under `mru` a use lowers a node's key below the L2 entry it queued while on L1 and L2;
+    once demoted to L2 only, it must leave L2 before a leaf with a higher key (a run the state
+    machine found)."""
+    m = TieredTreeMachine()
+    m.setup(l1=2, l2=4, eviction="mru", write="write_through", store=True)
+    steps = [
+        ("insert", {"seq": (2, 2, 0, 0)}),
+        ("backup_done", {"data": _First()}),
+        ("store_done", {"data": _First()}),
+        ("insert", {"seq": (1, 1, 0, 2)}),
+        ("match_and_lock", {"lock": False, "seq": (2, 2)}),
+        ("evict_host_one", {}),
+        ("backup_done", {"data": _First()}),
+        ("store_done", {"data": _First()}),
+        ("insert", {"seq": (1, 1, 0, 2)}),
+        ("evict_device_one", {}),
+        ("evict_host_one", {}),
+    ]
+    for name, kwargs in steps:
+        getattr(m, name)(**kwargs)
+        m.invariants_hold()
+    m.teardown()

@@ -265,6 +265,23 @@ class DecodeNodeCore:
             and not self.tree.ops_in_flight
         )
 
+    @property
+    def wants_tick(self) -> bool:
+        """Whether a `Tick` now would change anything: a retracted request to requeue, a request
+        to admit, an L3 query to send or to settle, a prefetch to watch, a load-back to issue,
+        a READY request to start (with several ranks, a load-back to agree on). When False, a
+        Tick changes nothing but `now`, so a driver may skip it."""
+        return bool(
+            self.retracted
+            or self.queue
+            or self._to_query
+            or self._queries
+            or self._prefetches
+            or self._load_queue
+            or self._ready
+            or (self.cfg.tp_size > 1 and self._loads)
+        )
+
     def cached_pages(self, keys: list[int]) -> int:
         """How many leading pages of `keys` L1 or L2 hold, changing nothing: what a
         cache-aware router asks every node before choosing one."""
@@ -274,7 +291,8 @@ class DecodeNodeCore:
         self._outbox.append(c)
 
     def _collect_tree(self) -> None:
-        self._outbox.extend(self.tree.drain())
+        if self.tree.outbox:
+            self._outbox.extend(self.tree.drain())
 
     def _req(self, rid: str, event: object) -> Request:
         r = self.requests.get(rid)

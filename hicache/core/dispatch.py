@@ -4,7 +4,7 @@ A driver (the simulator, the runtime, a test world) hands a `Dispatcher` a table
 type to handler; the table must cover every member of the `Command` union, checked when the
 dispatcher is built, so a new command cannot be missed without a word. The dispatcher also
 coalesces ticks: after any event but a `Tick`, one tick is due, and the driver is told to
-schedule it only once until it runs.
+schedule it only once until it runs; `tick` feeds it only when the core has work for it.
 """
 
 from __future__ import annotations
@@ -64,3 +64,13 @@ class Dispatcher:
             return False
         self.tick_due = True
         return True
+
+    def tick(self, at: float) -> None:
+        """The tick asked for by `feed` is due at `at`: feed it if the core has work for it
+        (`DecodeNodeCore.wants_tick`), else only note that it ran. A skipped tick would change
+        nothing but the core's clock, which the next event moves anyway, so the core's
+        decisions are the same either way; most ticks of a long replay are idle."""
+        if self.core.wants_tick:
+            self.feed(ev.Tick(at))
+        else:
+            self.tick_due = False

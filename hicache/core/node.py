@@ -56,7 +56,9 @@ class TreeNode:
         self.created = created
         self.priority = 0
         self.dev_children = 0  # children that hold device slots: a device leaf has none
-        self.ops: set[int] = set()  # in-flight backup/store operations covering this node
+        # In-flight backup/store operations covering this node: a tuple, since a set is one
+        # more object for the garbage collector to scan per node, and a node has few.
+        self.ops: tuple[int, ...] = ()
         self.evict_after_backup = False
         self.l1_ver = 0  # bumped on every L1 eviction-heap push; stale heap entries are skipped
         self.l2_ver = 0

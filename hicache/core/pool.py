@@ -55,7 +55,12 @@ class SlotPool:
         slots = free[-n:]
         del free[-n:]
         slots.reverse()
-        self._assign(slots, owner)
+        if n < 32:  # too short for runs (see `_runs`)
+            own = self._owner
+            for s in slots:
+                own[s] = owner
+        else:
+            self._assign(slots, owner)
         return slots
 
     def free(self, slots: Iterable[int], owner: Owner, *, checked: bool = False) -> None:
@@ -171,6 +176,15 @@ class SlotPool:
         runs: list[tuple[int, int]] = []
         a = 0
         try:
+            # Quartile probes: a stretch between two probes whose slot numbers differ by other
+            # than their distance holds a break, and two such stretches mean three runs or more.
+            # Most fragmented batches stop here instead of after finding two runs.
+            q1, q2, q3 = n >> 2, n >> 1, (3 * n) >> 2
+            x1, x2, x3, x4 = slots[q1], slots[q2], slots[q3], slots[-1]
+            if (x1 - slots[0] != q1) + (x2 - x1 != q2 - q1) + (x3 - x2 != q3 - q2) + (
+                x4 - x3 != n - 1 - q3
+            ) > 1:
+                return None
             while a < n:
                 first = slots[a]
                 if not 0 <= first < cap or len(runs) == 2:
@@ -220,7 +234,7 @@ class SlotPool:
         """Set the owner of every slot in `slots` (valid and distinct), run by run when they
         come in runs."""
         own = self._owner
-        runs = self._runs(slots)
+        runs = self._runs(slots) if len(slots) >= 32 else None  # shorter batches have no runs
         if runs is None:
             for s in slots:
                 own[s] = owner

@@ -124,8 +124,12 @@ class TieredRadixTree:
         self.num_nodes = 0
         self.outbox: list[Command] = []
         self.stats = TreeStats()
-        self._l1_heap: list[tuple[tuple[float, ...], int, int, TreeNode]] = []
-        self._l2_heap: list[tuple[tuple[float, ...], int, int, TreeNode]] = []
+        # Eviction heaps of (key, version, node id): no node in an entry, so that the garbage
+        # collector stops scanning an entry after its first collection; `_by_id` finds the node
+        # (every node in the tree, not the root; an entry whose node left is skipped).
+        self._l1_heap: list[tuple[tuple[float, ...], int, int]] = []
+        self._l2_heap: list[tuple[tuple[float, ...], int, int]] = []
+        self._by_id: dict[int, TreeNode] = {}
         self._ops = ids if ids is not None else itertools.count(1)
         # Slots whose nodes gave them up while a pin or an op still used them; freed when it ends.
         self._retired: dict[TreeNode, list[tuple[int, ...]]] = {}
@@ -294,6 +298,7 @@ class TieredRadixTree:
             node.children[keys[i]] = leaf
             node.dev_children += 1
             self.num_nodes += 1
+            self._by_id[leaf.id] = leaf
             leaf.device = fresh[i - h :]
             self._push_l1(leaf)
             node = leaf
@@ -385,9 +390,11 @@ class TieredRadixTree:
         demoted: list[int] = []
         dropped: list[int] = []
         # Read the heap attribute each time: a push below may rebuild it into a new list.
+        by_id = self._by_id
         while freed + pending < pages and self._l1_heap:
-            key, ver, _, node = heapq.heappop(self._l1_heap)
-            if ver != node.l1_ver:
+            key, ver, nid = heapq.heappop(self._l1_heap)
+            node = by_id.get(nid)  # type: ignore[assignment]
+            if node is None or ver != node.l1_ver:
                 continue
             node.l1_queued = False
             if not self._l1_evictable(node):
@@ -413,9 +420,11 @@ class TieredRadixTree:
         """Free at least `pages` L2 pages from unpinned host-only leaves, lowest priority first."""
         freed = 0
         dropped: list[int] = []
+        by_id = self._by_id
         while freed < pages and self._l2_heap:
-            key, ver, _, node = heapq.heappop(self._l2_heap)
-            if ver != node.l2_ver:
+            key, ver, nid = heapq.heappop(self._l2_heap)
+            node = by_id.get(nid)  # type: ignore[assignment]
+            if node is None or ver != node.l2_ver:
                 continue
             node.l2_queued = False
             if not self._l2_evictable(node):
@@ -482,6 +491,7 @@ class TieredRadixTree:
         parent = node.parent
         assert parent is not None and not node.children
         del parent.children[node.keys[0]]
+        del self._by_id[node.id]
         if node.host_ref:
             # A pin on a node cut out below it (`_cut_out`) still walks up through it to the
             # root when it lets go: like that node, it keeps its parent link, detached.
@@ -531,7 +541,7 @@ class TieredRadixTree:
             n.host = host_slots[start : start + size]
             start += size
             n.host_pending = True
-            n.ops.add(op)
+            n.ops += (op,)
             device.extend(n.device)  # type: ignore[arg-type]  # unbacked nodes are on L1
         self._op_nodes[op] = chain
         self.outbox.append(Backup(op, tuple(device), host_slots))
@@ -552,7 +562,7 @@ class TieredRadixTree:
         good: list[TreeNode] = []
         start = 0
         for n in nodes:
-            n.ops.discard(op)
+            n.ops = _without(n.ops, op)
             if self._retired:
                 self._free_retired_if_idle(n)  # an earlier L2 copy given up while this op ran
             size = len(n.keys)
@@ -624,6 +634,7 @@ class TieredRadixTree:
             stack.extend(x.children.values())
             x.children = {}
             x.detached = True
+            del self._by_id[x.id]
             self.num_nodes -= 1
             keys.extend(x.keys)
             self._retire_host(x)
@@ -691,7 +702,7 @@ class TieredRadixTree:
         keys: list[int] = []
         host: list[int] = []
         for n in nodes:
-            n.ops.add(op)
+            n.ops += (op,)
             keys.extend(n.keys)
             host.extend(n.host)  # type: ignore[arg-type]
         self._op_nodes[op] = nodes
@@ -713,7 +724,7 @@ class TieredRadixTree:
         start = 0
         for n in nodes:
             size = len(n.keys)
-            n.ops.discard(op)
+            n.ops = _without(n.ops, op)
             if n.detached:  # cut out meanwhile: only its retired slots wait for this op
                 pass
             elif not bad:
@@ -778,6 +789,7 @@ class TieredRadixTree:
         parent = node.parent
         assert parent is not None and 0 < k < len(node.keys)
         new = TreeNode(next(self._node_ids), node.keys[:k], parent, node.created)
+        self._by_id[new.id] = new
         node.keys = node.keys[k:]
         if node.device is not None:
             new.device = node.device[:k]
@@ -794,7 +806,7 @@ class TieredRadixTree:
         new.last_access = node.last_access
         new.priority = node.priority
         new.evict_after_backup = node.evict_after_backup
-        new.ops = set(node.ops)
+        new.ops = node.ops
         for op in node.ops:
             self._op_nodes[op].append(new)
         parent.children[new.keys[0]] = new
@@ -815,6 +827,12 @@ class TieredRadixTree:
                 self._push_l1(node)
         elif not node.children and not (lower_bound and node.l2_queued):
             self._push_l2(node)
+            return
+        if not lower_bound:
+            # Not evictable from L2 now (still on L1, or not a leaf), and its key may have
+            # fallen below its queued L2 entry's: that entry is no lower bound any more, so the
+            # node is queued afresh when it becomes evictable there (`_queue_l2`).
+            node.l2_queued = False
 
     def _queue_l1(self, node: TreeNode) -> None:
         """`node` may have become evictable from L1: make sure an entry for it is queued (one
@@ -829,21 +847,21 @@ class TieredRadixTree:
     def _push_l1(self, node: TreeNode) -> None:
         node.l1_ver += 1
         node.l1_queued = True
-        heapq.heappush(self._l1_heap, (self._priority(node), node.l1_ver, node.id, node))
+        heapq.heappush(self._l1_heap, (self._priority(node), node.l1_ver, node.id))
         if len(self._l1_heap) > 4 * self.num_nodes + 1024:
             self._l1_heap = self._rebuild(self._l1_heap, "l1_ver")
 
     def _push_l2(self, node: TreeNode) -> None:
         node.l2_ver += 1
         node.l2_queued = True
-        heapq.heappush(self._l2_heap, (self._priority(node), node.l2_ver, node.id, node))
+        heapq.heappush(self._l2_heap, (self._priority(node), node.l2_ver, node.id))
         if len(self._l2_heap) > 4 * self.num_nodes + 1024:
             self._l2_heap = self._rebuild(self._l2_heap, "l2_ver")
 
-    @staticmethod
-    def _rebuild(heap: list, ver: str) -> list:
+    def _rebuild(self, heap: list, ver: str) -> list:
         """Drop superseded entries so the lazy heap stays proportional to the tree."""
-        live = [e for e in heap if e[1] == getattr(e[3], ver) and e[3].parent is not None]
+        by_id = self._by_id
+        live = [e for e in heap if (n := by_id.get(e[2])) is not None and e[1] == getattr(n, ver)]
         heapq.heapify(live)
         return live
 
@@ -887,6 +905,8 @@ class TieredRadixTree:
             where = f"tree check: {n!r}"
             if n.parent is not parent or parent.children.get(n.keys[0]) is not n:
                 raise CoreError(f"{where}: parent link broken")
+            if self._by_id.get(n.id) is not n:
+                raise CoreError(f"{where}: not found by its id")
             if not n.keys:
                 raise CoreError(f"{where}: holds no pages")
             if n.device is None and n.host is None:
@@ -920,6 +940,8 @@ class TieredRadixTree:
             stack.extend((c, n) for c in n.children.values())
         if count != self.num_nodes:
             raise CoreError(f"tree check: num_nodes {self.num_nodes}, found {count}")
+        if len(self._by_id) != count:
+            raise CoreError(f"tree check: {len(self._by_id)} nodes by id, found {count}")
         for node, retired in self._retired.items():
             if not (node.ops or node.host_ref):
                 raise CoreError(f"tree check: {node!r} keeps retired L2 slots that nothing uses")
@@ -945,6 +967,11 @@ def first_failed(failed: Sequence[int], total: int, what: str) -> int:
     if any(not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < total for i in failed):
         raise CoreError(f"{what}: failed pages {list(failed)!r} outside [0, {total})")
     return min(failed)
+
+
+def _without(ops: tuple[int, ...], op: int) -> tuple[int, ...]:
+    """`ops` less `op` (a node is covered by a few operations at most)."""
+    return tuple(o for o in ops if o != op) if op in ops else ops
 
 
 def _as_tuple(keys: Sequence[int] | np.ndarray) -> tuple[int, ...]:
