@@ -641,6 +641,18 @@ def errors(measured: Mapping[str, Any], predicted: Mapping[str, Any]) -> dict[st
     }
 
 
+def ttft_request_error(rec: Recording, predicted: Mapping[str, RequestRecord]) -> float | None:
+    """The mean relative TTFT error per request: unlike the error of the mean, which a fitted
+    constant makes small by construction, this says how far one prediction is to be trusted, and
+    so how small a predicted change can be told from none."""
+    errs = []
+    for r in rec.requests:
+        p = predicted.get(r.id)
+        if r.answered and r.ttft_s and p is not None and p.outcome == "finished" and not math.isnan(p.ttft_s):
+            errs.append(abs(p.ttft_s - r.ttft_s) / r.ttft_s)
+    return float(np.mean(errs)) if errs else None
+
+
 def tiers_equal(rec: Recording, predicted: Mapping[str, RequestRecord]) -> int:
     """Requests whose restored tokens per tier the replay predicted exactly."""
     n = 0
@@ -728,7 +740,7 @@ def twin(
         baseline=base_sc.run.baselines[0],
         measured=measured,
         predicted=predicted,
-        errors=errors(measured, predicted),
+        errors={**errors(measured, predicted), "ttft_per_request": ttft_request_error(rec, base)},
         records=base,
         tiers_equal=tiers_equal(rec, base),
         sequential=sequential,
@@ -795,6 +807,9 @@ def report(res: TwinResult) -> str:
                 change = "-" if w is None or not p else _pct((w - p) / p)
             line += f"{fmt(w):>12}{change:>10}"
         lines.append(line)
+    per_request_error = res.errors.get("ttft_per_request")
+    if per_request_error is not None:
+        lines.append(f"{'TTFT per request':<16}{'':>12}{'':>12}{per_request_error:>9.1%}  (mean |error|)")
     for i, tier in enumerate(TIERS):
         line = (
             f"{'cached ' + tier.upper():<16}{res.measured['cached_tokens'][tier]:>12}"
