@@ -649,7 +649,7 @@ def study_break_even(args: argparse.Namespace) -> dict[str, Any]:
     prompt = PREFIX + dict(sc0.workload.params)["question_tokens"][0]
     ad_rows = []
     adaptive_closed = {}
-    groups = (s0.transfer_groups or s0.costs.model.layers) if s0.layerwise_transfer else 0
+    groups = s0.decode.transfer_groups
     for per_gpu in (1e9, 2e9, 12.5e9, 25e9, 50e9):
         net = 8 * per_gpu
         b = adaptive_break_even(

@@ -488,10 +488,16 @@ def scenario_flags(scenario: Scenario, l1_tokens: int, token_bytes: int = 0) -> 
     return out
 
 
+def layer_groups(scenario: Scenario) -> int:
+    """The layer groups a scenario's prefill node streams KV in (`cluster.layerwise_transfer`;
+    `transfer_groups` 0: one per layer), which the decode node's estimates must assume too."""
+    cl = scenario.cluster
+    return (cl.transfer_groups or MAX_LAYER_GROUPS) if cl.layerwise_transfer else 0
+
+
 def _scenario_value(scenario: Scenario, where: str) -> Any:
-    if where == "cluster.layerwise_transfer":  # the groups `runner.prefill_args` gives prefill
-        cl = scenario.cluster
-        return (cl.transfer_groups or MAX_LAYER_GROUPS) if cl.layerwise_transfer else 0
+    if where == "cluster.layerwise_transfer":
+        return layer_groups(scenario)
     if where == "hardware.network_bandwidth" and scenario.hardware.transfer_rate is not None:
         return scenario.hardware.transfer_rate  # one transfer's rate is what a restore competes with
     if "." in where:

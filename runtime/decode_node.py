@@ -1083,6 +1083,20 @@ class DecodeService:
         live.running = False
         live.slots = []
 
+    def _finish_done(self, batch: list[_Live], now: float) -> list[_Live]:
+        """Feed `Finished` for the requests of `batch` that drew a stop token or reached
+        `max_new`, in batch order; the ones still running."""
+        for live in batch:
+            if live.gen and live.gen[-1] in live.stop_ids:
+                live.finish_reason = "stop"
+            elif len(live.gen) >= live.max_new:
+                live.finish_reason = "length"
+            else:
+                continue
+            live.running = False
+            self._feed(ev.Finished(now, live.rid))
+        return [x for x in batch if x.running]
+
     async def _decode_loop(self) -> None:
         """One decode step for every running request per iteration, computed off the loop."""
         while True:
@@ -1091,16 +1105,7 @@ class DecodeService:
                 await self._decode_wake.wait()
                 self._decode_wake = trio.Event()
                 continue
-            for live in batch:
-                if live.gen and live.gen[-1] in live.stop_ids:
-                    live.finish_reason = "stop"
-                elif len(live.gen) >= live.max_new:
-                    live.finish_reason = "length"
-                else:
-                    continue
-                live.running = False
-                self._feed(ev.Finished(self._now(), live.rid))
-            batch = [x for x in batch if x.running]
+            batch = self._finish_done(batch, self._now())
             if not batch:
                 continue
             for first in range(0, len(batch), len(self._scratch)):
@@ -1215,16 +1220,7 @@ class DecodeService:
         """One decode step of a round: every rank steps the same batch in the same order (the
         model's all-reduces pair up), and feeds the same `Finished` and `Decoded` events."""
         batch = sorted((x for x in self.live.values() if x.running), key=lambda x: x.seq)
-        for live in batch:
-            if live.gen and live.gen[-1] in live.stop_ids:
-                live.finish_reason = "stop"
-            elif len(live.gen) >= live.max_new:
-                live.finish_reason = "length"
-            else:
-                continue
-            live.running = False
-            self._feed(ev.Finished(self.rounds.now, live.rid))  # type: ignore[union-attr]
-        batch = [x for x in batch if x.running]
+        batch = self._finish_done(batch, self.rounds.now)  # type: ignore[union-attr]
         for first in range(0, len(batch), len(self._scratch)):
             part = batch[first : first + len(self._scratch)]
             step = self._step_plan(part)

@@ -54,11 +54,9 @@ def prefill_args(scenario: Scenario, engine: str, storage_dir: Path) -> list[str
     reads the L3 the decode node writes when that beats computing, as the simulator's prefill
     nodes do, weighing the read at the scenario's storage bandwidth (fixed, as the decode node's
     estimates are); without, no cache."""
-    cl = scenario.cluster
-    # KV leaves by layer group during prefill, as the simulator streams it (0: the model's layers).
-    groups = (cl.transfer_groups or cache_flags.MAX_LAYER_GROUPS) if cl.layerwise_transfer else 0
+    # KV leaves by layer group during prefill, as the simulator streams it.
     args = ["prefill", "--engine", engine, "--page-size", str(scenario.cache.page_size)]
-    args += ["--layer-groups", str(groups)]
+    args += ["--layer-groups", str(cache_flags.layer_groups(scenario))]
     if not scenario.cluster.prefill_cache:
         return [*args, "--cache-bytes", "0"]
     speed = ["--l3-read-bytes-per-s", repr(float(scenario.storage.bandwidth)), "--fixed-speeds"]

@@ -44,12 +44,8 @@ class ClusterSetup:
     network_bandwidth: float = 50e9
     network_latency: float = 5e-6
     # P->D transfers: each on its own connection capped at `transfer_rate` (bytes/s; None: only
-    # the link caps it); `layerwise_transfer`: streamed layer group by layer group while prefill
-    # computes the KV, in `transfer_groups` groups (0: the model's layer count), else sent once
-    # prefill has ended.
+    # the link caps it). Whether they stream by layer group is the core's `transfer_groups`.
     transfer_rate: float | None = None
-    layerwise_transfer: bool = True
-    transfer_groups: int = 0
     storage_bandwidth: float = 10e9
     storage_latency: float = 2e-3
     storage_capacity_pages: int = 0
@@ -106,7 +102,7 @@ class Cluster:
                 tick_interval=s.tick_interval,
                 on_response=self._respond,
                 faults=SimFaults(s.faults, i) if s.faults is not None else None,
-                layer_groups=self._layer_groups(),
+                layer_groups=cfg.transfer_groups,  # the groups the core's estimates assume
             )
             for i in range(s.decode_nodes)
         ]
@@ -195,13 +191,6 @@ class Cluster:
                 "utilization": c.busy_time / self.loop.now if self.loop.now > 0 else 0.0,
             }
         return RunResult(self.records, summary, channels)
-
-    def _layer_groups(self) -> int:
-        """Groups a P->D transfer streams in; 0: it waits for prefill to end."""
-        s = self.setup
-        if not s.layerwise_transfer:
-            return 0
-        return s.transfer_groups or s.costs.model.layers
 
     def _channels(self) -> list[Channel]:
         out = [p.host for p in self.prefill]

@@ -170,8 +170,6 @@ def setups(scenario: Scenario) -> dict[str, ClusterSetup]:
             network_bandwidth=net_bw,
             network_latency=net_lat,
             transfer_rate=hw.transfer_rate,
-            layerwise_transfer=cl.layerwise_transfer,
-            transfer_groups=cl.transfer_groups,
             storage_bandwidth=st.bandwidth,
             storage_latency=st.latency,
             storage_capacity_pages=st.capacity_tokens // page,
