@@ -25,6 +25,11 @@ setup() {
     fi
     echo "$want" > "$stamp"
   fi
+  # The compiled core and simulator loop (hicache/compiled.py): rebuilt when a source changed,
+  # a no-op otherwise. Without a build everything runs as plain Python, only slower.
+  if ! .venv/bin/hicache compile >> .venv/setup.log; then
+    echo "warning: hicache compile failed (log in .venv/setup.log); running plain Python" >&2
+  fi
 }
 
 cmd=${1:-}

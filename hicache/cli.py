@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 import attrs
 
+from hicache import compiled
 from hicache.arg_types import directory, float_above, int_in
 from hicache.core.config import DecodeConfig
 from hicache.core.errors import PolicyError
@@ -533,6 +534,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--no-verify", action="store_true", help="skip the end-to-end KV and token checks")
     run.add_argument("--quiet", action="store_true")
     _add_set(run)
+    comp = sub.add_parser(
+        "compile",
+        help="compile the core and the simulator's loop with mypyc (used while the sources match)",
+    )
+    comp.add_argument("--status", action="store_true", help="say whether compiled modules are in use")
+    comp.add_argument("--force", action="store_true", help="rebuild even if these sources were built")
     trace = sub.add_parser("trace", help="inspect a trace").add_subparsers(
         dest="trace_command", required=True
     )
@@ -896,6 +903,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_sim(args.scenario, args.overrides, args.out, progress=not args.quiet)
         if args.command == "trace":
             return run_trace_stats(args)
+        if args.command == "compile":
+            return compiled.command(status=args.status, force=args.force)
         if args.command == "node":
             return run_node(args)
         if args.command == "run":

@@ -214,10 +214,10 @@ class FaultSpec:
         text = text.strip()
         if text.startswith("{"):
             try:
-                data = json.loads(text)
+                doc = json.loads(text)
             except json.JSONDecodeError as exc:
                 raise FaultSpecError("--faults", f"invalid JSON ({exc})") from None
-            return cls.parse(data, "--faults")
+            return cls.parse(doc, "--faults")
         data: dict[str, Any] = {}
         for item in (part.strip() for part in text.split(",")):
             if not item:

@@ -175,7 +175,12 @@ async def _recorder(
         return None
     configs = [await _node_config(host, port, key) for host, port in decode_at]
     router = opts.router if len(decode_at) > 1 else None
-    header = config_header(configs, prefill_nodes=prefill, router=router)
+    prefill_cache = None  # prefill nodes started elsewhere: their cache is theirs to say
+    if not opts.decode and not opts.prefill:  # started here, with the prefill cache's default
+        from hicache.runtime.prefill_cache import DEFAULT_CACHE_BYTES  # torch: only when recording
+
+        prefill_cache = DEFAULT_CACHE_BYTES
+    header = config_header(configs, prefill_nodes=prefill, router=router, prefill_cache_bytes=prefill_cache)
     allowed = opts.record_trace_dir or (opts.record_trace.parent if opts.record_trace else None)
     if opts.record_trace_dir is not None:
         try:

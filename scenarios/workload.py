@@ -9,6 +9,7 @@ that no other request can share.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Iterator
 
 import attrs
@@ -42,7 +43,7 @@ class WorkItem:
 
     def seed(self, model: str) -> int:
         """The page-key namespace: the model, salted by the tenant when there is one."""
-        return namespace_seed(model, self.tenant)
+        return _seed(model, self.tenant)
 
     def sequence_keys(self, page_size: int, model: str) -> np.ndarray:
         """Keys of every full page of prompt + output (the prompt's keys are its first
@@ -64,6 +65,12 @@ class WorkItem:
 
     def prompt_keys(self, page_size: int, model: str) -> np.ndarray:
         return self.sequence_keys(page_size, model)[: self.prompt_len // page_size]
+
+
+@functools.lru_cache(maxsize=1024)
+def _seed(model: str, tenant: str | None) -> int:
+    """`namespace_seed`, hashed once per namespace rather than once per request."""
+    return namespace_seed(model, tenant)
 
 
 def _private_keys(rid: str, seed: int, start: int, stop: int) -> np.ndarray:

@@ -8,10 +8,14 @@ come from the recording itself, by least squares with non-negative coefficients:
 - a decode step: `tpot = a + b * context`, context being the prompt plus half the output (the
   mean context over the request's steps);
 - the first token, which prefill computes: `ttft = c + u / prefill_rate + attention * pairs
-  + s2 * l2_tokens + s3 * l3_tokens`, where u are the prompt tokens prefill computed (prompt
-  minus what prefill, or else the decode node, had cached), `pairs` the (new, earlier) token
-  pairs their attention covers, and s2, s3 the seconds per token restored from host memory and
-  from storage. A term whose column carries no signal (no request restored from L3, say) is
+  + sx * x + s2 * l2_tokens + s3 * l3_tokens`, where u are the prompt tokens prefill computed
+  (prompt minus what prefill, or else the decode node, had cached), `pairs` the (new, earlier)
+  token pairs their attention covers, x the tokens whose KV crossed P->D (prompt minus what the
+  decode node had cached), and sx, s2, s3 the seconds per token transferred, restored from host
+  memory and restored from storage. The transfer term is what a decode-side hit saves: with a
+  prefill cache that holds every earlier prompt, u is each turn's new tokens while x grows with
+  what the decode node lost, so the two columns part. A term whose column carries no signal (no
+  request restored from L3; x equal to u, as in a recording without prefill's own count) is
   left out and its rate stays the node's own setting.
 
 The fit is reported with its residuals, so a reader sees how well a linear model explains the
@@ -25,6 +29,7 @@ from collections.abc import Sequence
 
 import attrs
 import numpy as np
+import scipy.optimize
 
 MIN_ROWS_PER_TERM = 3  # a term is fitted only when at least this many requests exercise it
 
@@ -40,6 +45,7 @@ class Sample:
     l3: int  # tokens restored from storage
     ttft_s: float | None
     tpot_s: float | None
+    transferred: int | None = None  # prompt tokens whose KV crossed P->D (None: not recorded)
 
 
 @attrs.frozen(slots=True)
@@ -53,6 +59,7 @@ class Calibration:
     decode_step_per_context_token_s: float  # b
     l2_seconds_per_token: float | None = None
     l3_seconds_per_token: float | None = None
+    transfer_seconds_per_token: float | None = None  # sx: per token sent P->D
     ttft_rows: int = 0
     tpot_rows: int = 0
     ttft_residual_rms_s: float = 0.0
@@ -66,20 +73,13 @@ class Calibration:
 
 
 def nnls(a: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Least squares with coefficients >= 0 (columns scaled to unit norm for conditioning): drop
-    the most negative coefficient and solve again until none is negative. Small systems only."""
-    cols = a.shape[1]
+    """Least squares with coefficients >= 0 (SciPy's Lawson-Hanson active-set solver; columns
+    scaled to unit norm for conditioning). An active-set method lets a dropped column back in
+    when the others have moved, so two columns that grow together (attention pairs and
+    transferred tokens, say) do not lose the one the data also needs."""
     norms = np.linalg.norm(a, axis=0)
     norms[norms == 0] = 1.0
-    scaled = a / norms
-    active = [j for j in range(cols) if np.any(a[:, j])]
-    coef = np.zeros(cols)
-    while active:
-        sol, *_ = np.linalg.lstsq(scaled[:, active], y, rcond=None)
-        if (sol >= 0).all():
-            coef[active] = sol
-            break
-        del active[int(np.argmin(sol))]
+    coef, _ = scipy.optimize.nnls(a / norms, y)
     return coef / norms
 
 
@@ -121,8 +121,13 @@ def fit(samples: Sequence[Sample]) -> Calibration:
         "pairs": [_pairs(s.computed, s.prompt - s.computed) for s in firsts],
         "l2": [float(s.l2) for s in firsts],
         "l3": [float(s.l3) for s in firsts],
+        "transferred": [float(s.transferred or 0) for s in firsts],
     }
     used = [k for k, v in columns.items() if k == "overhead" or sum(x > 0 for x in v) >= MIN_ROWS_PER_TERM]
+    # Transfers that always equal the computed tokens cannot be told from compute: no term.
+    parted = sum(s.transferred is not None and s.transferred != s.computed for s in firsts)
+    if "transferred" in used and parted < MIN_ROWS_PER_TERM:
+        used.remove("transferred")
     a_tt = np.column_stack([columns[k] for k in used])
     coef = {k: float(v) for k, v in zip(used, nnls(a_tt, y), strict=True)}
     tt_rms, tt_max = _residuals(a_tt, np.array([coef[k] for k in used]), y)
@@ -140,6 +145,7 @@ def fit(samples: Sequence[Sample]) -> Calibration:
         decode_step_per_context_token_s=b,
         l2_seconds_per_token=coef["l2"] if "l2" in coef and coef["l2"] > 0 else None,
         l3_seconds_per_token=coef["l3"] if "l3" in coef and coef["l3"] > 0 else None,
+        transfer_seconds_per_token=coef.get("transferred") or None,
         ttft_rows=len(firsts),
         tpot_rows=len(steps),
         ttft_residual_rms_s=tt_rms,

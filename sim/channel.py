@@ -100,25 +100,54 @@ def gapless_start(ps: float, pe: float, groups: int, head: float, body: float) -
     return max(ps, ps + step - head, pe - head - (groups - 1) * b)
 
 
-@attrs.define(slots=True, eq=False)
 class Channel:
-    name: str
-    bandwidth: float  # bytes/s, all lanes together
-    latency: float  # s per transfer
-    free_at: float = 0.0  # when the first lane frees
-    bytes_moved: float = 0.0
-    busy_time: float = 0.0  # seconds of the whole link's capacity spent moving bytes
-    transfers: int = 0
-    lanes: int = attrs.field(default=1, kw_only=True)
-    _free: list[float] = attrs.field(init=False, factory=list)  # per lane, when lanes > 1
+    """One link or device: `lanes` FIFO lanes sharing `bandwidth` (bytes/s), `latency` s per
+    transfer. A plain class rather than attrs, so that the compiled simulator compiles it too."""
 
-    def __attrs_post_init__(self) -> None:
+    __slots__ = (
+        "name",
+        "bandwidth",
+        "latency",
+        "free_at",
+        "bytes_moved",
+        "busy_time",
+        "transfers",
+        "lanes",
+        "_free",
+    )
+
+    def __init__(
+        self,
+        name: str,
+        bandwidth: float,
+        latency: float,
+        free_at: float = 0.0,
+        bytes_moved: float = 0.0,
+        busy_time: float = 0.0,
+        transfers: int = 0,
+        *,
+        lanes: int = 1,
+    ) -> None:
+        self.name = name
+        self.bandwidth = bandwidth  # all lanes together
+        self.latency = latency
+        self.free_at = free_at  # when the first lane frees
+        self.bytes_moved = bytes_moved
+        self.busy_time = busy_time  # seconds of the whole link's capacity spent moving bytes
+        self.transfers = transfers
+        self.lanes = lanes
+        self._free: list[float] = []  # per lane, when lanes > 1
         if not self.bandwidth > 0 or self.latency < 0:
             raise ValueError(f"channel {self.name!r}: bandwidth must be > 0 and latency >= 0")
         if not 1 <= self.lanes <= MAX_LANES:
             raise ValueError(f"channel {self.name!r}: lanes must be in [1, {MAX_LANES}], got {self.lanes}")
         if self.lanes > 1:
             self._free = [self.free_at] * self.lanes
+
+    def __repr__(self) -> str:
+        return (
+            f"Channel({self.name!r}, bandwidth={self.bandwidth}, latency={self.latency}, lanes={self.lanes})"
+        )
 
     @property
     def lane_rate(self) -> float:

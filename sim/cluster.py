@@ -150,13 +150,10 @@ class Cluster:
         page = self.setup.decode.page_size
         model = self.setup.model_name
         self._streamed = not isinstance(items, Sequence)
-        if self._streamed:
+        if not isinstance(items, Sequence):
             if clients > 0:
                 raise ValueError("a closed loop (clients > 0) needs its items as a sequence")
-            closed = False
-        else:
-            closed = not sequential and (clients > 0 or any(i.think is not None for i in items))
-        if closed:
+        elif not sequential and (clients > 0 or any(i.think is not None for i in items)):
             self.sessions = ClosedLoop(items, clients, until)
             items = self.sessions.firsts
         arrivals = iter(items)

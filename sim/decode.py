@@ -33,7 +33,8 @@ from hicache.core.decode_node import DecodeNodeCore
 from hicache.core.dispatch import Dispatcher
 from hicache.sim.channel import Channel, Transfer
 from hicache.sim.costs import NodeCosts, steps_time, steps_within
-from hicache.sim.engine import EventHandle, EventLoop
+from hicache.sim.engine import EventLoop
+from hicache.sim.event_handle import EventHandle
 from hicache.sim.faults import SimFaults, TransferFault
 from hicache.sim.prefill import PrefillJob, PrefillNode
 from hicache.sim.store import SharedStore
@@ -267,7 +268,7 @@ class DecodeDriver:
         """Ship [start, end) over this node's network ingress: at once if prefill has the KV,
         else streamed as `job` computes it (what it restored first, then layer group by group)."""
         live = self.live.get(c.req)
-        nbytes = (c.end - c.start) * self.kvb
+        nbytes = float((c.end - c.start) * self.kvb)
         fault = self.faults.transfer(c) if self.faults is not None else None
         share = fault.share if fault is not None else 1.0
         nbytes *= share

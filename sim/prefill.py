@@ -21,7 +21,7 @@ prompt's layer g exists for all of its tokens at once.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import attrs
 
@@ -39,7 +39,7 @@ from hicache.sim.store import SharedStore
 class PrefillJob:
     rid: str
     prompt_len: int
-    keys: list[int]  # the prompt's full-page keys
+    keys: Sequence[int]  # the prompt's full-page keys
     arrival: float
     started: float = -1.0
     compute_start: float = -1.0  # its restore done, compute begins (known once it starts)
@@ -85,7 +85,7 @@ class PrefillNode:
     def load(self) -> int:
         return len(self.queue) + int(self.busy)
 
-    def peek(self, keys: list[int]) -> int:
+    def peek(self, keys: Sequence[int]) -> int:
         """Pages of `keys` this node could restore (its tree, then L3): for the router."""
         if self.tree is None:
             return 0

@@ -7,9 +7,10 @@ L1 and L2 in tokens, every cache policy, storage, node counts and router. The no
 is not a preset, so the costs are fitted from the requests' TTFT and TPOT (`hicache.sim.calibrate`)
 and turned into figures of a one-GPU node: FLOP/s and active parameters give the prefill rate
 and its attention term, HBM bandwidth the decode step's per-context cost, the step overhead the
-rest of a step, the host link and storage the restore rates, the P->D latency the first token's
-fixed delay (the transfer's own bytes are folded into the prefill rate: TTFT cannot tell them
-apart).
+rest of a step, the host link and storage the restore rates, the P->D link the fitted cost per
+token transferred (so a what-if that keeps more pages on the decode node sees the transfers they
+save) and its latency the first token's fixed delay. The prefill node's cache is the size the
+header records (`prefill_cache_bytes`; the runtime's default, 512 MiB, when a header predates it).
 
 Requests are replayed with their recorded block ids. A session's next prompt names, block by
 block, what its previous answer left in the cache, so a request's output pages take the keys of
@@ -70,6 +71,7 @@ HEADER_KEYS = {
     "nodes",
     "measured",
     "decode_nodes",
+    "prefill_cache_bytes",
 }
 GEOMETRY_KEYS = {"layers", "kv_heads", "head_dim", "dtype", "page_bytes", "q_heads"}
 STORAGE_KEYS = {"kind", "capacity_bytes", "capacity_pages"}
@@ -106,8 +108,9 @@ CACHE_POLICY_KEYS = (
     "transfer_backoff_max_s",
     "retract_policy",
 )
-# The runtime's prefill cache holds 512 MiB of KV by default (runtime/prefill_cache.py); the
-# header does not record it, and the twin's one-GPU node has an H100's 80 GB of HBM.
+# The runtime's prefill cache holds 512 MiB of KV by default (runtime/prefill_cache.py): what a
+# header without `prefill_cache_bytes` (older, or a prefill node the front door did not start)
+# is taken to mean. The twin's one-GPU node has an H100's 80 GB of HBM.
 PREFILL_CACHE_BYTES = 512 << 20
 HBM_BYTES = 80e9
 FAST = 1e15  # bytes/s of a link whose cost is folded into another term
@@ -132,6 +135,7 @@ class Recorded:
     session: str
     cached: tuple[int, int, int]  # tokens restored from L1, L2, L3
     prefill_cached: int | None
+    transferred: int | None  # prompt tokens whose KV crossed P->D (None: not recorded)
     ttft_s: float | None
     tpot_s: float | None
     finish_reason: str | None
@@ -219,6 +223,13 @@ def _request(obj: Any, where: str, index: int, block: int) -> Recorded:
     prefill = obj.get("prefill_cached_tokens")
     if prefill is not None:
         prefill = _int_field(obj, "prefill_cached_tokens", where)
+    transferred = obj.get("transferred_tokens")
+    if transferred is not None:
+        transferred = _int_field(obj, "transferred_tokens", where, low=0)
+        if transferred > n_in:
+            raise TwinError(
+                f"{where}: field 'transferred_tokens' is {transferred}, more than input_length {n_in}"
+            )
     finish = obj.get("finish_reason")
     if finish is not None and not isinstance(finish, str):
         raise TwinError(f"{where}: field 'finish_reason' must be a string or null, got {finish!r}")
@@ -232,6 +243,7 @@ def _request(obj: Any, where: str, index: int, block: int) -> Recorded:
         session="" if session is None else f"s{session}",
         cached=tiers,  # type: ignore[arg-type]
         prefill_cached=prefill,
+        transferred=transferred,
         ttft_s=_optional_number(obj, "ttft_s", where),
         tpot_s=_optional_number(obj, "tpot_s", where),
         finish_reason=finish,
@@ -310,6 +322,7 @@ class NodeFacts:
     prefill_nodes: int
     router: str | None
     measured: dict[str, float | None]
+    prefill_cache_bytes: int = PREFILL_CACHE_BYTES  # each prefill node's cache (L1); 0: none
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -356,6 +369,13 @@ def node_facts(rec: Recording) -> NodeFacts:
     if router is not None and not isinstance(router, str):
         raise TwinError(f"{where}: field 'nodes.router' must be a string or null, got {router!r}")
     measured = _section(h, "measured", MEASURED_KEYS, where)
+    prefill_cache = h.get("prefill_cache_bytes")
+    if prefill_cache is None:
+        prefill_cache = PREFILL_CACHE_BYTES
+    elif not isinstance(prefill_cache, int) or isinstance(prefill_cache, bool) or prefill_cache < 0:
+        raise TwinError(
+            f"{where}: field 'prefill_cache_bytes' must be an integer >= 0 or null, got {prefill_cache!r}"
+        )
     for key, value in measured.items():
         if value is not None and (
             not isinstance(value, int | float) or isinstance(value, bool) or value <= 0
@@ -378,6 +398,7 @@ def node_facts(rec: Recording) -> NodeFacts:
         prefill_nodes=(nodes.get("prefill") or 1),
         router=router,
         measured=dict(measured),
+        prefill_cache_bytes=prefill_cache,
     )
 
 
@@ -394,16 +415,19 @@ def header_costs(facts: NodeFacts) -> Calibration:
         decode_step_per_context_token_s=0.0,
         l2_seconds_per_token=kv / float(d.get("host_to_device_bandwidth", default.host_to_device_bandwidth)),
         l3_seconds_per_token=kv / float(d.get("l3_bandwidth", default.l3_bandwidth)),
+        transfer_seconds_per_token=kv / float(d.get("network_bandwidth", default.network_bandwidth)),
         source="header",
     )
 
 
 def samples(rec: Recording) -> list[Sample]:
     """The requests as the fit reads them: prefill computed what neither it nor (without a
-    recorded prefill count) the decode node had cached."""
+    recorded prefill count) the decode node had cached; P->D carried what the decode node lacked
+    (the recorded count, else the prompt less its cached tokens)."""
     out = []
     for r in rec.requests:
         cached = r.prefill_cached if r.prefill_cached is not None else sum(r.cached)
+        transferred = r.transferred if r.transferred is not None else r.input_length - sum(r.cached)
         out.append(
             Sample(
                 prompt=r.input_length,
@@ -413,6 +437,7 @@ def samples(rec: Recording) -> list[Sample]:
                 l3=r.cached[2],
                 ttft_s=r.ttft_s,
                 tpot_s=r.tpot_s,
+                transferred=transferred,
             )
         )
     return out
@@ -444,6 +469,9 @@ def scenario_doc(rec: Recording, facts: NodeFacts, cal: Calibration) -> dict[str
     overhead = max(0.0, cal.decode_step_s - 1.0 / cal.prefill_tokens_per_s)
     host = kv / cal.l2_seconds_per_token if cal.l2_seconds_per_token else None
     storage_bw = kv / cal.l3_seconds_per_token if cal.l3_seconds_per_token else None
+    # P->D: one transfer at a time at kv / sx bytes/s (a request's transfer is the prompt less
+    # what the decode node holds); no term fitted: free, its time in the prefill rate as fitted.
+    network = kv / cal.transfer_seconds_per_token if cal.transfer_seconds_per_token else FAST
     d = facts.decode
     host = host or float(d.get("host_to_device_bandwidth", 25e9))
     storage_bw = (
@@ -467,14 +495,18 @@ def scenario_doc(rec: Recording, facts: NodeFacts, cal: Calibration) -> dict[str
     cluster: dict[str, Any] = {
         "prefill_nodes": facts.prefill_nodes,
         "decode_nodes": facts.decode_nodes,
-        "prefill_cache": True,
+        "prefill_cache": facts.prefill_cache_bytes > 0,
         "max_running": max_running,
         "decode_step_overhead": overhead,
         "hicache_step_overhead": 0.0,
     }
     if facts.router is not None:
         cluster["router"] = facts.router
-    if "transfer_groups" in d:
+    if cal.transfer_seconds_per_token and cal.source == "fit":
+        # The fitted cost is what a transferred token added to TTFT, whatever part of its transfer
+        # overlapped prefill on the node: charged after prefill, it adds just that.
+        cluster["layerwise_transfer"] = False
+    elif "transfer_groups" in d:
         cluster.update(layerwise_transfer=groups > 0, transfer_groups=groups)
     return {
         "name": f"twin-{rec.path.stem}",
@@ -496,9 +528,9 @@ def scenario_doc(rec: Recording, facts: NodeFacts, cal: Calibration) -> dict[str
             "efficiency": 1.0,
             "flops": flops,
             "hbm_bandwidth": hbm,
-            "mem_fraction": min(1.0, PREFILL_CACHE_BYTES / HBM_BYTES),
+            "mem_fraction": _mem_fraction(facts),
             "host_bandwidth": host,
-            "network_bandwidth": FAST,
+            "network_bandwidth": network,
             "network_latency": max(cal.first_token_overhead_s, 1e-9),  # the schema wants > 0
         },
         "storage": {
@@ -510,6 +542,14 @@ def scenario_doc(rec: Recording, facts: NodeFacts, cal: Calibration) -> dict[str
         "cache": cache,
         "run": {"baselines": [baseline]},
     }
+
+
+def _mem_fraction(facts: NodeFacts) -> float:
+    """The share of the twin's HBM that holds as many pages as the prefill cache's bytes do (the
+    decode node's L1 is given in tokens, so HBM is the prefill cache): the simulator takes the
+    weights (one parameter) off first, and half a token's KV keeps float rounding off a page."""
+    size = facts.prefill_cache_bytes or PREFILL_CACHE_BYTES  # none: prefill_cache is off; > 0 here
+    return min(1.0, (size + facts.dtype_bytes + facts.kv_bytes_per_token / 2) / HBM_BYTES)
 
 
 def scenario(rec: Recording, facts: NodeFacts, cal: Calibration, overrides: Sequence[str] = ()) -> Scenario:
@@ -685,11 +725,15 @@ def request_rows(
             "predicted_ttft_s": num(p.ttft_s) if p else "",
             "measured_tpot_s": num(r.tpot_s),
             "predicted_tpot_s": num(p.tpot_s) if p else "",
+            # P->D tokens: what a decode-side hit saves (the fit's transfer term)
+            "measured_transferred": "" if r.transferred is None else r.transferred,
+            "predicted_transferred": p.transferred_tokens if p else "",
         }
         if what_if is not None:
             w = what_if.get(r.id)
             row.update({f"what_if_{t}": getattr(w, f"cached_{t}") if w else "" for t in TIERS})
             row["what_if_ttft_s"] = num(w.ttft_s) if w else ""
+            row["what_if_transferred"] = w.transferred_tokens if w else ""
         yield row
 
 
@@ -778,7 +822,8 @@ def report(res: TwinResult) -> str:
         f"{c.prefill_attention_s:.3g} s/pair, first-token overhead {c.first_token_overhead_s * 1e3:.2f} ms, "
         f"decode step {c.decode_step_s * 1e3:.2f} ms"
         f" + {c.decode_step_per_context_token_s * 1e6:.3f} us/ctx token",
-        f"                 L2 restore {_rate(c.l2_seconds_per_token)}, "
+        f"                 P->D {_rate(c.transfer_seconds_per_token)}, "
+        f"L2 restore {_rate(c.l2_seconds_per_token)}, "
         f"L3 restore {_rate(c.l3_seconds_per_token)}; "
         f"residuals rms TTFT {c.ttft_residual_rms_s * 1e3:.2f} ms ({c.ttft_rows} req), "
         f"TPOT {c.tpot_residual_rms_s * 1e3:.2f} ms ({c.tpot_rows} req)",

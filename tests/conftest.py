@@ -14,8 +14,13 @@ and wins over the variable (hypothesis' plugin loads it after this file).
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
+import pytest
 from hypothesis import HealthCheck, settings
+
+from hicache import compiled
 
 PROFILE_VARIABLE = "HICACHE_HYPOTHESIS_PROFILE"
 
@@ -40,3 +45,27 @@ settings.load_profile(_profile_name())
 # (`runtime/cluster_secret.py`); one for the whole run keeps them from creating the default
 # file under the user's home. Tests of the other sources set or clear it themselves.
 os.environ.setdefault("HICACHE_CLUSTER_SECRET", "hicache-tests-" + os.urandom(8).hex())
+
+
+# A test marked `plain_python` spies on the core or the simulator by replacing a method on an
+# instance, which the compiled build's native classes do not allow (`hicache/compiled.py`).
+# With the build in use, such a test runs in a child pytest with HICACHE_PURE=1, and its
+# outcome is the child's.
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "plain_python: run this test on the plain-Python modules")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
+    if pyfuncitem.get_closest_marker("plain_python") is None or not compiled.active():
+        return None
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", pyfuncitem.nodeid],
+        cwd=pyfuncitem.config.rootpath,
+        env={**os.environ, "HICACHE_PURE": "1"},
+        capture_output=True,
+        text=True,
+    )
+    if run.returncode != 0:
+        pytest.fail(f"on plain Python:\n{(run.stdout + run.stderr)[-3000:]}", pytrace=False)
+    return True

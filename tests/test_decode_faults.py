@@ -477,6 +477,7 @@ def count_matches(w: World) -> list[tuple[int, ...]]:
     return calls
 
 
+@pytest.mark.plain_python  # spies on the tree's match
 def test_blocked_head_is_matched_once_and_queried_once() -> None:
     w = World(config(l1_pages=24))
     shared = tokens(40, 16)  # 4 pages b will find on L1
@@ -575,6 +576,7 @@ def test_no_request_end_leaves_a_lock_or_pin_behind() -> None:
 # ============================================================================ fault 5: retraction
 
 
+@pytest.mark.plain_python  # spies on the tree's match
 def test_retracted_request_goes_through_the_tree_and_never_stalls_restores() -> None:
     w = World(config(l1_pages=16, decode_reserve_tokens=0))
     calls = count_matches(w)

@@ -124,6 +124,7 @@ def test_decode_fast_forward_matches_a_step_by_step_batch() -> None:
     [(2, {}), (4, {"l1_tokens": 20_000, "decode_reserve_tokens": 64})],
     ids=["batch-bound", "batch-bound-and-retracting"],
 )
+@pytest.mark.plain_python  # wraps each driver's _on_epoch
 def test_max_running_caps_the_batch_in_the_driver_and_the_core(k: int, cache: dict[str, Any]) -> None:
     """The batch limit is the core's (`DecodeConfig.max_running`): at every step boundary the
     driver's batch and the core's RUNNING requests are the same, at most k, and the core's

@@ -242,7 +242,9 @@ def test_config_header_summarises_the_first_node_and_keeps_every_one() -> None:
     assert got["decode_config"]["write_policy"] == "write_through"
     assert got["nodes"] == {"decode": 2, "prefill": None, "router": "cache_aware"}
     assert got["decode_nodes"] == [node, None] and set(got["measured"].values()) == {None}
-    assert config_header([None], prefill_nodes=1, router=None)["page_size"] is None
+    assert got["prefill_cache_bytes"] is None  # prefill nodes the front door did not start
+    alone = config_header([None], prefill_nodes=1, router=None, prefill_cache_bytes=1 << 20)
+    assert alone["page_size"] is None and alone["prefill_cache_bytes"] == 1 << 20
 
 
 # ============================================================================ over HTTP
@@ -428,6 +430,7 @@ def test_hicache_serve_records_what_it_serves(tmp_path: Path, capsys: pytest.Cap
     header = read_trace_header(trace)
     assert header is not None and header["page_size"] == 16 and header["decode_config"]["page_size"] == 16
     assert header["geometry"]["layers"] > 0 and header["nodes"]["decode"] == 1
+    assert header["prefill_cache_bytes"] == 512 << 20  # it started the prefill node, at the default
     assert cli_main(["trace", "stats", str(trace)]) == 0
     out = capsys.readouterr().out
     assert "blocks           6 total, 3 distinct" in out and "ideal hit        0.0%" not in out

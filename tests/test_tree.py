@@ -777,7 +777,7 @@ def _corrupt_num_nodes(tree: TieredRadixTree) -> None:
 
 
 def _corrupt_shared_slot(tree: TieredRadixTree) -> None:
-    node_at(tree, [3]).device = [node_at(tree, [1, 2]).device[0]]  # type: ignore[index]
+    node_at(tree, [3]).device = (node_at(tree, [1, 2]).device[0],)  # type: ignore[index]
 
 
 def _corrupt_pool_owner(tree: TieredRadixTree) -> None:

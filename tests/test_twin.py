@@ -25,6 +25,7 @@ from hicache.results import RequestRecord
 from hicache.runtime.serving.trace_recorder import BlockIds
 from hicache.scenarios.build import build_workload
 from hicache.scenarios.scenario import Scenario, ScenarioError, parse_scenario
+from hicache.sim import calibrate as twin_calibrate
 from hicache.sim import twin
 from hicache.sim.cluster import Cluster
 from hicache.sim.setup import setups
@@ -41,6 +42,9 @@ def sim_scenario(
     step: float = 0.02,
     per_ctx: float = 2e-6,
     latency: float = 0.003,
+    transfer: float = 0.0,
+    layerwise: bool = True,
+    prefill_cache_bytes: int = 512 << 20,
     l1_tokens: int = 40 * PAGE,
     ratio: float = 1.0,
     storage: bool = True,
@@ -49,7 +53,9 @@ def sim_scenario(
     turns: int = 4,
 ) -> Scenario:
     """A small multi-turn chat on a node whose costs are the twin's own parametrisation: the
-    prefill rate and attention term, decode step and its per-context cost, first-token latency."""
+    prefill rate and attention term, decode step and its per-context cost, first-token latency,
+    seconds per token sent P->D (`transfer`; 0: a free link; `layerwise`: streamed while prefill
+    computes, else after it), the prefill cache's bytes."""
     lhd = 4.0 * LAYERS * KV_HEADS * HEAD_DIM
     flops = lhd / attention if attention > 0 else 2.0 * 1e15 * tps
     params = flops / (2.0 * tps)
@@ -86,9 +92,9 @@ def sim_scenario(
             "efficiency": 1.0,
             "flops": flops,
             "hbm_bandwidth": KV / (0.8 * per_ctx) if per_ctx > 0 else 1e15,
-            "mem_fraction": (512 << 20) / 80e9,
+            "mem_fraction": prefill_cache_bytes / 80e9,
             "host_bandwidth": 1e9,
-            "network_bandwidth": 1e15,
+            "network_bandwidth": KV / transfer if transfer > 0 else 1e15,
             "network_latency": latency,
         },
         "storage": {"bandwidth": 1e9, "latency": 0.002},
@@ -97,6 +103,7 @@ def sim_scenario(
             "decode_step_overhead": step,
             "hicache_step_overhead": 0.0,
             "tick_interval": 1e-4,
+            "layerwise_transfer": layerwise,
         },
         "cache": {
             "page_size": PAGE,
@@ -146,6 +153,7 @@ def write_recording(path: Path, sc: Scenario) -> list[RequestRecord]:
             "storage_write_bytes_per_s": None,
         },
         "decode_nodes": [],
+        "prefill_cache_bytes": (setup.prefill_cache_pages or (0,))[0] * PAGE * KV,
     }
     blocks = BlockIds("tiny", PAGE)
     sessions: dict[str, int] = {}
@@ -161,6 +169,7 @@ def write_recording(path: Path, sc: Scenario) -> list[RequestRecord]:
             "session_id": sessions.setdefault(r.session, len(sessions)),
             "cached_tokens": {"l1": r.cached_l1, "l2": r.cached_l2, "l3": r.cached_l3},
             "prefill_cached_tokens": r.prefill_cached_tokens,
+            "transferred_tokens": r.transferred_tokens,
             "ttft_s": None if math.isnan(r.ttft_s) else round(r.ttft_s, 6),
             "tpot_s": None if math.isnan(r.tpot_s) else round(r.tpot_s, 6),
             "finish_reason": "length" if r.outcome == "finished" else None,
@@ -235,6 +244,8 @@ def _rewrite_header(src: Path, dst: Path, change: dict[str, Any], drop: tuple[st
         ({}, ("page_size",), "'page_size' must be an integer"),
         ({}, ("decode_config",), "'decode_config' missing"),
         ({"geometry.dtype": "int4"}, (), "'geometry.dtype'"),
+        ({"prefill_cache_bytes": -1}, (), "'prefill_cache_bytes' must be an integer >= 0"),
+        ({"prefill_cache_bytes": "big"}, (), "'prefill_cache_bytes' must be an integer >= 0"),
     ],
 )
 def test_an_unknown_or_missing_header_field_is_named(
@@ -279,6 +290,98 @@ def test_calibration_recovers_the_costs_of_a_simulator_made_recording(
     assert cal.prefill_attention_s == pytest.approx(attention, rel=0.15, abs=0.1 / (tps * 300.0))
     assert cal.first_token_overhead_s == pytest.approx(latency, abs=2e-3)
     assert cal.ttft_residual_rms_s < 2e-3 and cal.tpot_residual_rms_s < 2e-3
+
+
+def _mean_ttft(records: list[RequestRecord]) -> float:
+    return sum(r.ttft_s for r in records) / len(records)
+
+
+def test_the_transfer_cost_is_fitted_and_the_l2_what_if_predicts_the_transfers_it_saves(
+    tmp_path: Path,
+) -> None:
+    """A node whose P->D link costs 0.1 ms a token (a fifth of prefill's 0.5 ms), sent after
+    prefill: a turn whose history the decode node lost sends it again, and the prefill cache
+    (holding every prompt) computes only the new tokens, so the two columns part and the fit
+    gives every cost back. Then L2 doubled: the twin's predicted TTFT change is the one the
+    same known-cost node has with L2 doubled, which is the transfers it saves (times 0.1 ms)."""
+    transfer = 1e-4
+    kw: dict[str, Any] = {"transfer": transfer, "layerwise": False, "l1_tokens": 30 * PAGE, "storage": False}
+    base, doubled = tmp_path / "base.jsonl", tmp_path / "l2x2.jsonl"
+    truth = {"base": write_recording(base, sim_scenario(ratio=1.0, **kw))}
+    truth["l2x2"] = write_recording(doubled, sim_scenario(ratio=2.0, **kw))
+    assert all(r.outcome == "finished" for rs in truth.values() for r in rs)
+    samples = twin.samples(twin.read_recording(base))
+    assert sum(s.transferred != s.computed for s in samples) >= twin_calibrate.MIN_ROWS_PER_TERM
+    cal = twin.fit(samples)
+    assert cal.transfer_seconds_per_token == pytest.approx(transfer, rel=0.01)
+    assert cal.prefill_tokens_per_s == pytest.approx(2000.0, rel=0.01)
+    assert cal.first_token_overhead_s == pytest.approx(0.003, abs=2e-4)
+    assert cal.ttft_residual_rms_s < 1e-4
+    res = twin.twin(base, ["cache.hicache_ratio=2.0"])
+    assert res.what_if is not None and res.what_if["hit_rate"] > res.predicted["hit_rate"] + 0.1
+    # What the known costs imply: the tokens no longer sent, at 0.1 ms each (L2 restores at 1 GB/s
+    # cost 0.5 us a token, well under the tolerance), over the requests.
+    by_id = {r.id: r for r in truth["base"]}
+    saved = sum(by_id[r.id].transferred_tokens - r.transferred_tokens for r in truth["l2x2"])
+    implied = -saved * transfer / len(truth["base"])
+    real = _mean_ttft(truth["l2x2"]) - _mean_ttft(truth["base"])
+    assert real == pytest.approx(implied, abs=2e-4) and real < -0.05 * _mean_ttft(truth["base"])
+    predicted = res.what_if["ttft_mean_s"] - res.predicted["ttft_mean_s"]
+    assert predicted == pytest.approx(real, abs=2e-4)
+    # Without the transfer term (a recording that does not part the columns) no saving is seen.
+    folded = twin.fit([attrs.evolve(s, transferred=s.computed) for s in samples])
+    assert folded.transfer_seconds_per_token is None
+
+
+def test_the_prefill_cache_is_the_size_the_header_records(tmp_path: Path) -> None:
+    """A prefill node whose cache holds 40 pages' KV computes turns again that a 512 MiB one
+    would not: with the header's size the twin predicts TTFT as recorded; a header without the
+    field (older recordings) is read as the runtime's default, 512 MiB, which predicts too
+    little compute; 0 bytes is no prefill cache."""
+    small = 40 * PAGE * KV
+    path = tmp_path / "small.jsonl"
+    write_recording(path, sim_scenario(prefill_cache_bytes=small + KV, conversations=6))  # + weights
+    rec = twin.read_recording(path)
+    facts = twin.node_facts(rec)
+    assert facts.prefill_cache_bytes == small
+    (setup,) = setups(twin.scenario(rec, facts, twin.header_costs(facts))).values()
+    assert setup.prefill_cache_pages is not None and setup.prefill_cache_pages[0] == 40
+    assert sum(r.prefill_cached or 0 for r in rec.requests) < sum(r.input_length for r in rec.requests)
+    # On the node's own costs (the header's), so that only the prefill cache's size differs.
+    assert abs(twin.twin(path, calibrate=False).errors["ttft_mean"] or 0.0) < 1e-3
+    old = _rewrite_header(path, tmp_path / "old.jsonl", {}, drop=("prefill_cache_bytes",))
+    assert twin.node_facts(twin.read_recording(old)).prefill_cache_bytes == twin.PREFILL_CACHE_BYTES
+    assert (twin.twin(old, calibrate=False).errors["ttft_mean"] or 0.0) < -0.1
+    none = _rewrite_header(path, tmp_path / "none.jsonl", {"prefill_cache_bytes": 0})
+    rec = twin.read_recording(none)
+    assert not twin.scenario(rec, twin.node_facts(rec), twin.header_costs(facts)).cluster.prefill_cache
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_fit_is_the_least_squares_with_nonnegative_coefficients(seed: int) -> None:
+    """The columns of study 4's recording (6 chats x 6 turns, a prefill cache holding every prompt:
+    attention pairs and transferred tokens grow together over turns, transferred and L2 tokens
+    trade within one) and noisy TTFTs: the coefficients meet the optimality conditions of
+    least squares under >= 0 (gradient 0 where > 0, and <= 0 where 0), so no column the data
+    needs is dropped. (Seed 0 is one where dropping the most negative coefficient and solving
+    again left the transfer term out.)"""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    rows = []
+    for t in range(6):
+        prompt, computed = 31 + 36 * t, [15, 51, 37, 41, 45, 49][t]
+        for _ in range(6):
+            l2 = int(rng.choice([0, 16, 64])) if t >= 2 else 0
+            x = max(1, prompt - 16 - l2 - (16 if t < 3 else 0))
+            pairs = computed * (prompt - computed) + computed * (computed - 1) / 2
+            rows.append([1.0, computed, pairs, x, l2])
+    a = np.array(rows)
+    y = a @ np.array([0.05, 0.0026, 4e-6, 1.4e-4, 0.0]) + rng.normal(0.0, 0.01, len(rows))
+    coef = twin_calibrate.nnls(a, y)
+    grad = a.T @ (y - a @ coef) / np.linalg.norm(a, axis=0)
+    assert (coef >= 0).all()
+    assert np.all(np.abs(grad[coef > 0]) < 1e-9) and np.all(grad[coef == 0] <= 1e-9)
 
 
 def test_too_few_measured_requests_cannot_be_calibrated() -> None:
@@ -389,6 +492,8 @@ def test_a_bad_header_is_one_line_and_exit_2(
         ({"cached_tokens": {"l4": 1}}, "'cached_tokens'"),
         ({"ttft_s": "soon"}, "'ttft_s'"),
         ({"session_id": -1}, "'session_id'"),
+        ({"transferred_tokens": 10**6}, "'transferred_tokens'"),
+        ({"transferred_tokens": -1}, "'transferred_tokens'"),
         ({"colour": 1}, "'colour'"),
     ],
 )
@@ -421,7 +526,9 @@ def test_real_node_the_twin_predicts_the_recorded_tiers_and_the_l2_what_if(tmp_p
     then the same traffic on a node with L2 doubled. The twin's hit rate must be within a couple of
     pages of the recorded one (one 16-token page is 1.9 points of these 864 prompt tokens), most
     requests' tiers exact, and its what-if of L2 doubled must move the hit rate the way the real
-    node moved, by about as much. (Times are compared in bench/twin_check.py, not here.)"""
+    node moved, by about as much. The recording carries what the fit's transfer term needs: the
+    prefill cache's size, and transfers that differ from what prefill computed (turns whose
+    history the decode node lost). (Times are compared in bench/twin_check.py, not here.)"""
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
@@ -435,6 +542,10 @@ def test_real_node_the_twin_predicts_the_recorded_tiers_and_the_l2_what_if(tmp_p
     drop_warmup(doubled)
     res = twin.twin(base, ["cache.hicache_ratio=2.0"])
     assert len(res.recording.requests) == 12
+    assert twin.node_facts(res.recording).prefill_cache_bytes == twin.PREFILL_CACHE_BYTES
+    samples = twin.samples(res.recording)
+    assert all(r.transferred is not None for r in res.recording.requests)
+    assert sum(s.transferred != s.computed for s in samples) >= twin_calibrate.MIN_ROWS_PER_TERM
     assert abs(res.errors["hit_rate_pp"]) <= 4.0
     assert res.tiers_equal >= 9
     assert res.what_if is not None

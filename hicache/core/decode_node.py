@@ -51,7 +51,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -282,7 +282,7 @@ class DecodeNodeCore:
             or (self.cfg.tp_size > 1 and self._loads)
         )
 
-    def cached_pages(self, keys: list[int]) -> int:
+    def cached_pages(self, keys: Sequence[int]) -> int:
         """How many leading pages of `keys` L1 or L2 hold, changing nothing: what a
         cache-aware router asks every node before choosing one."""
         return self.tree.peek(keys)
@@ -431,7 +431,8 @@ class DecodeNodeCore:
             raise CoreError(f"Agreed: no agreement #{e.agreement} is open")
         kind, apply, keys = entry
         try:
-            values = dict(e.values)
+            # Typed as plain objects until checked: the event comes from outside (another rank).
+            values: dict[object, object] = dict(e.values)
         except (TypeError, ValueError):
             raise CoreError(f"Agreed #{e.agreement}: values must be (key, value) pairs") from None
         if len(values) != len(e.values) or set(values) != keys:
@@ -693,8 +694,8 @@ class DecodeNodeCore:
         # With several ranks a load's outcome may differ between them (one rank's copy fails):
         # the next tick agrees on it, and every rank falls back for the same pages.
 
-    def _load_values(self) -> dict:
-        out = {}
+    def _load_values(self) -> dict[tuple[object, ...], int]:
+        out: dict[tuple[object, ...], int] = {}
         for load in self._loads.values():
             out[("done", load.op)] = int(load.phase is LoadPhase.COPIED)
             for i, entry in enumerate(load.entries):
@@ -1124,7 +1125,7 @@ class DecodeNodeCore:
             (n.id, n.keys, n.device, n.host, n.host_pending, n.in_l3, n.lock_ref, n.host_ref, n.hit_count)
             for n in sorted(self.tree.nodes(), key=lambda n: n.id)
         )
-        return _plain(
+        snap = _plain(
             (
                 self.now,
                 repr(self._ids),
@@ -1149,6 +1150,8 @@ class DecodeNodeCore:
                 self.tree.ops_in_flight,
             )
         )
+        assert isinstance(snap, tuple)
+        return snap
 
     def check(self) -> None:
         """Verify the node's invariants (tree, pools, per-request holdings)."""
@@ -1186,12 +1189,12 @@ class DecodeNodeCore:
         for t in self._transfers.values():
             if t.phase is not TransferPhase.WAITING:
                 continue
-            r = self.requests.get(t.req)
-            if r is None or t.tid not in r.transfers:
+            waiter = self.requests.get(t.req)
+            if waiter is None or t.tid not in waiter.transfers:
                 raise CoreError(f"transfer #{t.tid} backs off for {t.req!r}, which does not wait on it")
             if t.tid not in waiting_on:
                 raise CoreError(f"transfer #{t.tid} of {t.req!r} backs off with no timer set")
-            if t.claims or any(self.device_pool.owner_of(s) != r.owner for s in t.dst):
+            if t.claims or any(self.device_pool.owner_of(s) != waiter.owner for s in t.dst):
                 raise CoreError(f"transfer #{t.tid} of {t.req!r} backs off but its slots left the request")
 
 
@@ -1201,8 +1204,9 @@ def _plain(x: object) -> object:
         return (type(x).__name__, x.serial)
     if isinstance(x, TreeNode):
         return ("node", x.id)
-    if attrs.has(type(x)):
-        return (type(x).__name__, *(_plain(getattr(x, f.name)) for f in attrs.fields(type(x))))
+    cls: Any = type(x)
+    if attrs.has(cls):
+        return (cls.__name__, *[_plain(getattr(x, f.name)) for f in attrs.fields(cls)])
     if isinstance(x, dict):
         return tuple((_plain(k), _plain(v)) for k, v in x.items())
     if isinstance(x, set | frozenset):

@@ -20,7 +20,9 @@ class SlotPool:
 
     __slots__ = ("name", "capacity", "_free", "_owner", "_numbers")
 
-    def __init__(self, name: str, capacity: int) -> None:
+    def __init__(self, name: str, capacity: object) -> None:
+        # `object`, checked here: a float or a bool is refused with the field's name (a compiled
+        # `int` parameter would take a bool and meet a float with a bare TypeError).
         if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 0:
             raise ValueError(f"{name} pool: capacity must be an integer >= 0 pages, got {capacity!r}")
         self.name = name

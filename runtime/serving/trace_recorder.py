@@ -250,10 +250,16 @@ class TraceRecorder:
 
 
 def config_header(
-    nodes: list[Mapping[str, Any] | None], *, prefill_nodes: int | None, router: str | None
+    nodes: list[Mapping[str, Any] | None],
+    *,
+    prefill_nodes: int | None,
+    router: str | None,
+    prefill_cache_bytes: int | None = None,
 ) -> dict[str, Any]:
     """The header's account of the serving node: each decode node's answer to `config` (None
-    where a node did not give one), summarised from the first; unknown values are null."""
+    where a node did not give one), summarised from the first; unknown values are null.
+    `prefill_cache_bytes`: each prefill node's cache (its L1 of KV; 0: none), which decides what
+    prefill computes again, when the front door knows it (it started the prefill nodes)."""
     first = nodes[0] if nodes and nodes[0] is not None else {}
     cfg = first.get("config") or {}
     layout = first.get("layout") or {}
@@ -266,6 +272,7 @@ def config_header(
         "decode_config": cfg or None,
         "storage": first.get("storage"),
         "nodes": {"decode": len(nodes), "prefill": prefill_nodes, "router": router},
+        "prefill_cache_bytes": prefill_cache_bytes,
         # The front door measures neither; a replay takes its own settings where these are null.
         "measured": {
             "link_bytes_per_s": None,
