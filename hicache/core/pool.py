@@ -26,7 +26,7 @@ class SlotPool:
         if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 0:
             raise ValueError(f"{name} pool: capacity must be an integer >= 0 pages, got {capacity!r}")
         self.name = name
-        self.capacity = capacity
+        self.capacity: int = capacity
         # 0..capacity-1, to compare a run of slots against in one C-level comparison. The free
         # list shares its int objects, so those comparisons mostly match by identity. A tuple of
         # ints: the garbage collector scans it once, then no more.
