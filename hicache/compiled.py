@@ -134,7 +134,7 @@ class _CompiledFinder(importlib.abc.MetaPathFinder):
 def install() -> bool:
     """Put the compiled modules ahead of the sources, when a build of these sources exists and
     `HICACHE_PURE` is not set. True when they are in use."""
-    if os.environ.get("HICACHE_PURE") or any(isinstance(f, _CompiledFinder) for f in sys.meta_path):
+    if os.environ.get("HICACHE_PURE") or active():
         return active()
     folder = current_build()
     if folder is None:

@@ -121,21 +121,18 @@ class Channel:
         name: str,
         bandwidth: float,
         latency: float,
-        free_at: float = 0.0,
-        bytes_moved: float = 0.0,
-        busy_time: float = 0.0,
-        transfers: int = 0,
         *,
         lanes: int = 1,
     ) -> None:
         self.name = name
         self.bandwidth = bandwidth  # all lanes together
         self.latency = latency
-        self.free_at = free_at  # when the first lane frees
-        self.bytes_moved = bytes_moved
-        self.busy_time = busy_time  # seconds of the whole link's capacity spent moving bytes
-        self.transfers = transfers
         self.lanes = lanes
+        # What the link has done so far.
+        self.free_at = 0.0  # when the first lane frees
+        self.bytes_moved = 0.0
+        self.busy_time = 0.0  # seconds of the whole link's capacity spent moving bytes
+        self.transfers = 0
         self._free: list[float] = []  # per lane, when lanes > 1
         if not self.bandwidth > 0 or self.latency < 0:
             raise ValueError(f"channel {self.name!r}: bandwidth must be > 0 and latency >= 0")
