@@ -80,7 +80,9 @@ def streamed_end(
     if share >= 1.0:
         end = max(end, s0, pe)  # whole, it is complete only once prefill is (its first token)
     rest = total - head  # wire time of the groups sent
-    if b <= 0.0 or rest < 1e-9 * b:  # (a remainder under 1e-9 of a group waits for nothing)
+    # Nothing of the groups goes, or a remainder under 1e-9 of a group (waits for nothing); the
+    # first test also covers a subnormal group, whose 1e-9 share underflows to zero.
+    if b <= 0.0 or rest <= 0.0 or rest < 1e-9 * b:
         return end
     step = (pe - ps) / groups
     # the group holding the last byte sent
