@@ -28,6 +28,7 @@ against SimPy 4.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import resource
 import subprocess
@@ -59,6 +60,9 @@ def full_replay(trace: Path) -> dict:
     # numba's on-disk cache (0.2-0.3 s, once per process). Every request's keys are still
     # computed inside the timed region.
     items[0].sequence_keys(setup.decode.page_size, setup.model_name)
+    # Each repeat starts from a collected heap: the trees of the repeat before (reference
+    # cycles) would otherwise be collected inside this one's timed region.
+    gc.collect()
     start = time.perf_counter()
     result = Cluster(setup).run(items)
     wall = time.perf_counter() - start  # includes hashing the trace's pages

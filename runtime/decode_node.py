@@ -1050,7 +1050,7 @@ class DecodeService:
         live = self.live[c.req]
         live.kv_len = c.prompt_len
         live.slots = list(c.device_slots)
-        live.account = attrs.asdict(c.account)
+        live.account = c.account.as_dict()
         slots = torch.tensor(c.device_slots, dtype=torch.int64)
         pages = self.l1.data[slots]
         if live.first_token_at < 0:
@@ -1170,7 +1170,7 @@ class DecodeService:
 
     def _respond(self, c: cmd.Respond) -> None:
         live = self.live[c.req]
-        live.account = attrs.asdict(c.account)
+        live.account = c.account.as_dict()
         live.outcome, live.reason = str(c.outcome), c.reason
         if c.outcome == "finished" and live.kv_len:
             full = live.slots[: live.kv_len // self.cfg.page_size]  # the tree's now, unchanged yet

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Iterator
 import attrs
 import numpy as np
 
-from hicache.core.pages import block_page_keys, namespace_seed, page_keys
+from hicache.core.pages import block_sequence_keys, namespace_seed, page_keys, private_page_keys
 from hicache.scenarios.multiturn import ChatRequest
 from hicache.scenarios.traces import TraceRequest
 
@@ -57,11 +57,17 @@ class WorkItem:
             return _private_keys(self.id, seed, 0, total // page_size)
         # Formats that id only full blocks (kv-cache-tester) leave the prompt's tail unnamed.
         covered = min(self.prompt_len, len(self.blocks) * self.block_size)
-        prompt = block_page_keys(self.blocks, self.block_size, page_size, covered, seed)
         # Pages that reach into the output are private; a page wholly inside the prompt keeps
         # its chained key.
-        private = _private_keys(self.id, seed, len(prompt), total // page_size)
-        return np.concatenate([prompt, private])
+        return block_sequence_keys(
+            self.blocks,
+            self.block_size,
+            page_size,
+            covered,
+            total // page_size,
+            seed,
+            _private_base(self.id, seed),
+        )
 
     def prompt_keys(self, page_size: int, model: str) -> np.ndarray:
         return self.sequence_keys(page_size, model)[: self.prompt_len // page_size]
@@ -73,15 +79,13 @@ def _seed(model: str, tenant: str | None) -> int:
     return namespace_seed(model, tenant)
 
 
+def _private_base(rid: str, seed: int) -> int:
+    return namespace_seed(f"private/{rid}", str(seed))
+
+
 def _private_keys(rid: str, seed: int, start: int, stop: int) -> np.ndarray:
     """Keys for pages [start, stop) that belong to request `rid` alone."""
-    if stop <= start:
-        return np.empty(0, dtype=np.uint64)
-    base = namespace_seed(f"private/{rid}", str(seed))
-    idx = np.arange(start, stop, dtype=np.uint64)
-    with np.errstate(over="ignore"):
-        keys = (idx + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15) ^ np.uint64(base)
-    return keys
+    return private_page_keys(_private_base(rid, seed), start, stop)
 
 
 def from_chat(requests: Iterable[ChatRequest], tenant: str | None = None) -> list[WorkItem]:

@@ -21,20 +21,29 @@ from __future__ import annotations
 
 import math
 
-import attrs
-
 MAX_LANES = 65536  # far beyond any NIC's queue pairs; bounds the memory a rate ceiling takes
 
 
-@attrs.define(slots=True, eq=False)
 class Transfer:
-    """One transfer's reservation: data moves during [start, busy_until)."""
+    """One transfer's reservation: data moves during [start, busy_until).
 
-    start: float
-    busy_until: float
-    done: float
-    nbytes: float
-    lane: int = 0
+    A plain class, not attrs: a replay makes one per transfer, and the compiled build then
+    constructs it natively (an attrs-generated `__init__` stays interpreted)."""
+
+    __slots__ = ("start", "busy_until", "done", "nbytes", "lane")
+
+    def __init__(self, start: float, busy_until: float, done: float, nbytes: float, lane: int = 0) -> None:
+        self.start = start
+        self.busy_until = busy_until
+        self.done = done
+        self.nbytes = nbytes
+        self.lane = lane
+
+    def __repr__(self) -> str:
+        return (
+            f"Transfer(start={self.start!r}, busy_until={self.busy_until!r}, done={self.done!r},"
+            f" nbytes={self.nbytes!r}, lane={self.lane!r})"
+        )
 
     def fraction_at(self, t: float) -> float:
         """Share of the bytes moved by time t (the data flows at a constant rate)."""

@@ -27,7 +27,7 @@ from typing import Any
 from hicache.sim.event_handle import EventHandle
 
 _INF = float("inf")
-_COLLECT_EVERY = 1 << 16  # events between young collections while the collector is paused
+_COLLECT_EVERY = 1 << 20  # events between young collections while the collector is paused
 
 
 class EventLoop:
@@ -121,6 +121,13 @@ class EventLoop:
             self._run(until)
         finally:
             if paused:
+                if not gc.get_freeze_count():
+                    # What the run made and kept (its trees) is long-lived: move it to the
+                    # oldest generation unscanned, rather than have the first collection after
+                    # the run walk all of it as young. Cycles among it are still collected,
+                    # by the next full collection.
+                    gc.freeze()
+                    gc.unfreeze()
                 gc.enable()
 
     def _run(self, until: float | None) -> None:

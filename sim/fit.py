@@ -16,7 +16,7 @@ import attrs
 from hicache.scenarios import fit
 from hicache.scenarios.scenario import CacheSpec, ClusterSpec, HardwareSpec, Scenario, ScenarioError
 
-POOL_BYTES_PER_PAGE = 48  # the core's SlotPool: ~56 bytes per slot (tests/test_sim_bad_input.py)
+POOL_BYTES_PER_PAGE = 40  # the core's SlotPool: ~48 bytes per slot (tests/test_sim_bad_input.py)
 NODE_BYTES = 2_000  # a node's own objects, besides its pools (measured: 6-8 KB)
 
 # (decode L1 pages, decode L2 pages, each prefill node's (L1, L2) pages or None)

@@ -348,27 +348,7 @@ def test_a_long_batch_with_a_bad_run_changes_nothing(case: str) -> None:
     assert [pool.owner_of(s) for s in range(160)] == owners
     assert pool.free_slots() == free_before
     pool.check()
-    # The same batches without the bad part move as a whole, in runs.
+    # The same batches without the bad part move as a whole.
     assert pool.adopt(list(range(48)), list(range(48, 96)), "req", "tree")
     assert pool.owned_by("tree") == list(range(48)) and pool.owned_by("req") == []
     pool.check()
-
-
-@settings(max_examples=examples(300), deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 400), st.integers(1, 80)), min_size=1, max_size=5), st.randoms())
-def test_runs_are_found_exactly_and_only_for_one_or_two(spans: list[tuple[int, int]], rnd) -> None:
-    """The run finder's answer is the batch itself (one or two runs) or None; it never gives up
-    on a batch of one or two long runs, however its probes fall."""
-    pool = SlotPool("L1", 512)
-    slots = [s for first, n in spans for s in range(first, min(first + n, 512))]
-    if rnd.random() < 0.3:
-        rnd.shuffle(slots)
-    runs = pool._runs(slots)
-    breaks = sum(b != a + 1 for a, b in zip(slots, slots[1:], strict=False))
-    if runs is not None:
-        assert [s for first, n in runs for s in range(first, first + n)] == slots
-        assert len(runs) == (breaks + 1 if slots else 0) <= 2
-    elif len(slots) >= 32 and breaks == 0:
-        pytest.fail(f"one run of {len(slots)} slots not found")
-    elif len(slots) >= 32 and breaks == 1 and slots[31] == slots[0] + 31:
-        pytest.fail("two runs, the first of 32 slots or more, not found")

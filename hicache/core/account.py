@@ -2,19 +2,49 @@
 
 from __future__ import annotations
 
-import attrs
+_FIELDS = ("l1", "l2", "l3", "transferred", "fallback", "retractions")
 
 
-@attrs.frozen(slots=True)
 class Account:
-    """Tokens of the prompt by source, for the request's latest admission."""
+    """Tokens of the prompt by source, for the request's latest admission.
 
-    l1: int = 0  # already on L1 at admission
-    l2: int = 0  # loaded back from L2
-    l3: int = 0  # prefetched from L3 and loaded back
-    transferred: int = 0  # received from prefill (including fallback ranges)
-    fallback: int = 0  # promised for local restore, then re-requested from prefill
-    retractions: int = 0
+    A value: never changed once made (`add` makes a new one). A plain class rather than attrs,
+    so that the compiled build constructs it natively (several per request)."""
+
+    __slots__ = _FIELDS
+
+    def __init__(
+        self,
+        l1: int = 0,  # already on L1 at admission
+        l2: int = 0,  # loaded back from L2
+        l3: int = 0,  # prefetched from L3 and loaded back
+        transferred: int = 0,  # received from prefill (including fallback ranges)
+        fallback: int = 0,  # promised for local restore, then re-requested from prefill
+        retractions: int = 0,
+    ) -> None:
+        self.l1 = l1
+        self.l2 = l2
+        self.l3 = l3
+        self.transferred = transferred
+        self.fallback = fallback
+        self.retractions = retractions
+
+    def as_tuple(self) -> tuple[int, int, int, int, int, int]:
+        return (self.l1, self.l2, self.l3, self.transferred, self.fallback, self.retractions)
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(zip(_FIELDS, self.as_tuple(), strict=True))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Account):
+            return NotImplemented
+        return self.as_tuple() == other.as_tuple()
+
+    def __hash__(self) -> int:
+        return hash(self.as_tuple())
+
+    def __repr__(self) -> str:
+        return "Account(" + ", ".join(f"{k}={v}" for k, v in zip(_FIELDS, self.as_tuple(), strict=True)) + ")"
 
     @property
     def cached(self) -> int:

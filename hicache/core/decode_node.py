@@ -58,6 +58,7 @@ import attrs
 
 from hicache.core import commands as cmd
 from hicache.core import events as ev
+from hicache.core.account import Account
 from hicache.core.backoff import retry_delay
 from hicache.core.commands import AgreeKind, Outcome, TimerKind
 from hicache.core.config import DecodeConfig, PromisePolicy, RetractPolicy
@@ -1204,6 +1205,8 @@ def _plain(x: object) -> object:
         return (type(x).__name__, x.serial)
     if isinstance(x, TreeNode):
         return ("node", x.id)
+    if isinstance(x, Account):
+        return ("Account", *x.as_tuple())
     cls: Any = type(x)
     if attrs.has(cls):
         return (cls.__name__, *[_plain(getattr(x, f.name)) for f in attrs.fields(cls)])

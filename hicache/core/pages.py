@@ -69,6 +69,7 @@ _P3 = np.uint64(_P3_INT)
 _P4 = np.uint64(_P4_INT)
 _P5 = np.uint64(_P5_INT)
 _BLOCK_DOMAIN = np.uint64(_BLOCK_DOMAIN_INT)
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # 2**64 / the golden ratio, odd
 _U64_1 = np.uint64(1)
 _U64_7 = np.uint64(7)
 _U64_12 = np.uint64(12)
@@ -288,9 +289,12 @@ def _block_page_keys_kernel(
     page_size: np.int64,
     n_pages: np.int64,
     seed: np.uint64,
+    total_pages: np.int64,
+    private_base: np.uint64,
 ) -> np.ndarray:
-    """Key page j by (seed, block id of its last token, that token's offset in the block)."""
-    out = np.empty(n_pages, dtype=np.uint64)
+    """Key page j by (seed, block id of its last token, that token's offset in the block);
+    pages from `n_pages` to `total_pages` get private keys (see `_private_into`)."""
+    out = np.empty(max(n_pages, total_pages), dtype=np.uint64)
     start = np.uint64(seed) + _P5 + _BLOCK_DOMAIN
     for j in range(n_pages):
         last = (j + 1) * page_size - 1
@@ -299,7 +303,17 @@ def _block_page_keys_kernel(
         acc = _merge_lane(start, block)
         acc = _merge_lane(acc, offset)
         out[j] = _avalanche(acc)
+    _private_into(out, n_pages, n_pages, private_base)
     return out
+
+
+@numba.njit(cache=True, nogil=True)
+def _private_into(out: np.ndarray, start: np.int64, first_page: np.int64, base: np.uint64) -> None:
+    """`out[start:]` = the private keys of pages `first_page`, `first_page + 1`, ...: page i
+    gets (i + 1) * golden ^ base (modulo 2**64), a bijection of i, so no two pages of one base
+    share a key."""
+    for j in range(start, out.size):
+        out[j] = (np.uint64(first_page + j - start) + np.uint64(1)) * _GOLDEN ^ base
 
 
 # --------------------------------------------------------------------------------------------
@@ -405,11 +419,28 @@ def block_page_keys(
     whatever the ratio of ``page_size`` to ``block_size``. A consequence worth knowing: the key
     of the prefix ``[0, e]`` does not depend on ``page_size``. Only full pages get keys.
     """
+    return block_sequence_keys(block_ids, block_size, page_size, num_tokens, 0, seed, 0)
+
+
+def block_sequence_keys(
+    block_ids: TokenLike,
+    block_size: int,
+    page_size: int,
+    num_tokens: int,
+    total_pages: int,
+    seed: int,
+    private_base: int,
+) -> KeyArray:
+    """`block_page_keys` of the first `num_tokens`, then, up to `total_pages`, keys that belong
+    to one sequence alone (`private_page_keys` of `private_base`): a trace request's prompt and
+    output in one call, as a replay needs them for every request."""
     arr = _as_lane_vector(block_ids, "block_ids")
     block_size = _check_count(block_size, "block_size", 1)
     page_size = _check_count(page_size, "page_size", 1)
     num_tokens = _check_count(num_tokens, "num_tokens", 0)
+    total_pages = _check_count(total_pages, "total_pages", 0)
     seed = _check_seed(seed)
+    private_base = _check_seed(private_base)
     expected = -(-num_tokens // block_size)
     if arr.shape[0] != expected:
         raise ValueError(
@@ -418,5 +449,21 @@ def block_page_keys(
         )
     n_pages = num_tokens // page_size
     return _block_page_keys_kernel(
-        arr, np.int64(block_size), np.int64(page_size), np.int64(n_pages), np.uint64(seed)
+        arr,
+        np.int64(block_size),
+        np.int64(page_size),
+        np.int64(n_pages),
+        np.uint64(seed),
+        np.int64(total_pages),
+        np.uint64(private_base),
     )
+
+
+def private_page_keys(base: int, start: int, stop: int) -> KeyArray:
+    """Keys of pages [start, stop) of a sequence that shares none of them: page i gets
+    (i + 1) * 0x9E3779B97F4A7C15 ^ base, modulo 2**64."""
+    start = _check_count(start, "start", 0)
+    stop = max(start, _check_count(stop, "stop", 0))
+    out = np.empty(stop - start, dtype=np.uint64)
+    _private_into(out, np.int64(0), np.int64(start), np.uint64(_check_seed(base)))
+    return out

@@ -18,7 +18,7 @@ Owner = Hashable
 class SlotPool:
     """A pool of `capacity` page slots numbered 0..capacity-1."""
 
-    __slots__ = ("name", "capacity", "_free", "_owner", "_numbers")
+    __slots__ = ("name", "capacity", "_free", "_owner")
 
     def __init__(self, name: str, capacity: object) -> None:
         # `object`, checked here: a float or a bool is refused with the field's name (a compiled
@@ -27,12 +27,8 @@ class SlotPool:
             raise ValueError(f"{name} pool: capacity must be an integer >= 0 pages, got {capacity!r}")
         self.name = name
         self.capacity: int = capacity
-        # 0..capacity-1, to compare a run of slots against in one C-level comparison. The free
-        # list shares its int objects, so those comparisons mostly match by identity. A tuple of
-        # ints: the garbage collector scans it once, then no more.
-        self._numbers: tuple[int, ...] = tuple(range(capacity))
         # Reversed so that pop() hands out low slot numbers first (deterministic and readable).
-        self._free: list[int] = list(reversed(self._numbers))
+        self._free: list[int] = list(range(capacity - 1, -1, -1))
         self._owner: list[Owner | None] = [None] * capacity
 
     @property
@@ -57,12 +53,7 @@ class SlotPool:
         slots = free[-n:]
         del free[-n:]
         slots.reverse()
-        if n < 32:  # too short for runs (see `_runs`)
-            own = self._owner
-            for s in slots:
-                own[s] = owner
-        else:
-            self._assign(slots, owner)
+        self._assign(slots, owner)
         return slots
 
     def free(self, slots: Iterable[int], owner: Owner, *, checked: bool = False) -> None:
@@ -70,12 +61,15 @@ class SlotPool:
 
         `checked=True` skips the check, for a caller whose own invariants already guarantee
         that `owner` holds exactly these distinct slots (the tree freeing a node's slots)."""
+        if checked and isinstance(slots, tuple):  # a tree node's own slots: no copy
+            self._release(slots)
+            return
         slots = list(slots)
         if checked:
             self._assign(slots, None)
         elif not self._move(slots, owner, None):
             self._check_owned(slots, owner, "free")
-        self._free.extend(reversed(slots))
+        self._free.extend(slots[::-1])
 
     def transfer(self, slots: Iterable[int], src: Owner, dst: Owner, *, checked: bool = False) -> None:
         """Move ownership of `slots` from `src` to `dst` (e.g. a request's KV adopted by the tree).
@@ -96,28 +90,12 @@ class SlotPool:
         moves its slots in this one call."""
         if owner is None or dst is None or dst == owner:
             return False
-        own = self._owner
-        taken = self._runs(slots)
-        freed = self._runs(release)
-        # Batches in runs are checked first and written with slices; a batch without runs goes
-        # slot by slot after them, so that a slot named in both batches is caught either way.
-        if taken is not None and freed is not None:
-            if not self._runs_held(taken + freed, owner):
-                return False
-        elif not self._runs_held(taken or freed or [], owner):
+        if not self._move_each(slots, owner, dst):
             return False
-        for first, n in taken or ():
-            own[first : first + n] = [dst] * n
-        for first, n in freed or ():
-            own[first : first + n] = [None] * n
-        if taken is None and not self._move_each(slots, owner, dst):
-            if freed is not None:
-                self._assign(release, owner)
-            return False
-        if freed is None and not self._move_each(release, owner, None):
+        if not self._move_each(release, owner, None):  # also a slot named in both batches
             self._assign(slots, owner)
             return False
-        self._free.extend(reversed(release))
+        self._free.extend(release[::-1])
         return True
 
     def _move(self, slots: list[int], owner: Owner, new: Owner | None) -> bool:
@@ -128,18 +106,11 @@ class SlotPool:
                 return False
             self._assign(slots, new)
             return True
-        runs = self._runs(slots)
-        if runs is None:
-            return self._move_each(slots, owner, new)
-        if not self._runs_held(runs, owner):
-            return False
-        own = self._owner
-        for first, n in runs:
-            own[first : first + n] = [new] * n
-        return True
+        return self._move_each(slots, owner, new)
 
     def _move_each(self, slots: list[int], owner: Owner, new: Owner | None) -> bool:
-        """`_move` one slot at a time, for a batch with no long runs (`new` differs from `owner`).
+        """`_move` for `new` other than `owner`, one slot at a time (compiled, a plain loop is
+        faster than finding runs of consecutive slots and writing them as slices).
 
         Checking and writing share one loop: a slot named twice is caught because its first
         visit already gave it to `new`; a failure undoes the slots written so far."""
@@ -161,88 +132,17 @@ class SlotPool:
             own[s] = owner
         return False
 
-    def _runs(self, slots: list[int]) -> list[tuple[int, int]] | None:
-        """`slots` as runs of consecutive slot numbers, (first, length) in order, or None when
-        the batch is not one or two long runs (then slot by slot is as cheap: measured, batches
-        of more runs lost more to finding them than they saved) or names something that is
-        not a slot of this pool.
-
-        A run's end is found by bisecting over single slots (a batch that is one run takes one
-        probe), then the whole run is confirmed with one C-level list comparison against
-        0..capacity-1, so the cost per slot is a comparison, not a Python loop iteration."""
-        n = len(slots)
-        if n < 32:
-            return [] if n == 0 else None
-        numbers = self._numbers
-        cap = self.capacity
-        runs: list[tuple[int, int]] = []
-        a = 0
-        try:
-            # Quartile probes: a stretch between two probes whose slot numbers differ by other
-            # than their distance holds a break, and two such stretches mean three runs or more.
-            # Most fragmented batches stop here instead of after finding two runs.
-            q1, q2, q3 = n >> 2, n >> 1, (3 * n) >> 2
-            x1, x2, x3, x4 = slots[q1], slots[q2], slots[q3], slots[-1]
-            if (x1 - slots[0] != q1) + (x2 - x1 != q2 - q1) + (x3 - x2 != q3 - q2) + (
-                x4 - x3 != n - 1 - q3
-            ) > 1:
-                return None
-            while a < n:
-                first = slots[a]
-                if not 0 <= first < cap or len(runs) == 2:
-                    return None
-                end = a + cap - first  # a run cannot pass the pool's last slot
-                if end > n:
-                    end = n
-                base = first - a  # along the run, slots[j] == base + j
-                if a + 32 <= n and (a + 32 > end or slots[a + 31] != base + a + 31):
-                    return None  # a short run, and more slots after it
-                last, bad = a, end  # slots[last] is on the run; the run ends before `bad`
-                if slots[end - 1] == base + end - 1:
-                    last = end - 1
-                while bad - last > 1:
-                    mid = (last + bad) >> 1
-                    if slots[mid] == base + mid:
-                        last = mid
-                    else:
-                        bad = mid
-                if tuple(slots[a : last + 1]) != numbers[first : base + last + 1]:
-                    # A later stretch happened to line up with this run: find its end slot by slot.
-                    last = a
-                    while last + 1 < end and slots[last + 1] == base + last + 1:
-                        last += 1
-                runs.append((first, last + 1 - a))
-                a = last + 1
-        except TypeError:  # not an integer
-            return None
-        return runs
-
-    def _runs_held(self, runs: list[tuple[int, int]], owner: Owner) -> bool:
-        """Whether the runs are disjoint and every slot in them is held by `owner`."""
+    def _release(self, slots: tuple[int, ...]) -> None:
         own = self._owner
-        for first, n in runs:
-            if own[first : first + n].count(owner) != n:
-                return False
-        if len(runs) > 1:
-            ordered = sorted(runs)
-            end = -1
-            for first, n in ordered:
-                if first < end:
-                    return False
-                end = first + n
-        return True
+        for s in slots:
+            own[s] = None
+        self._free.extend(slots[::-1])
 
     def _assign(self, slots: list[int], owner: Owner | None) -> None:
-        """Set the owner of every slot in `slots` (valid and distinct), run by run when they
-        come in runs."""
+        """Set the owner of every slot in `slots` (valid and distinct)."""
         own = self._owner
-        runs = self._runs(slots) if len(slots) >= 32 else None  # shorter batches have no runs
-        if runs is None:
-            for s in slots:
-                own[s] = owner
-        else:
-            for first, n in runs:
-                own[first : first + n] = [owner] * n
+        for s in slots:
+            own[s] = owner
 
     def _holds(self, slots: list[int], owner: Owner) -> bool:
         """Whether `slots` are distinct slots of this pool, all owned by `owner` (no change)."""
@@ -260,6 +160,12 @@ class SlotPool:
     def owned_by(self, owner: Owner) -> list[int]:
         """All slots of `owner` (a scan: for checks and tests, not the hot path)."""
         return [s for s, o in enumerate(self._owner) if o == owner]
+
+    def owns_exactly(self, owner: Owner, slots: set[int]) -> bool:
+        """Whether `owner` holds `slots` and no other slot (a check, at C speed per slot)."""
+        own = self._owner
+        cap = self.capacity
+        return own.count(owner) == len(slots) and all(0 <= s < cap and own[s] == owner for s in slots)
 
     def free_slots(self) -> list[int]:
         return list(self._free)
@@ -281,12 +187,13 @@ class SlotPool:
     def check(self) -> None:
         """Assert the pool's own invariant: free and owned partition the slots, no duplicates."""
         free = self._free
+        own = self._owner
         if len(set(free)) != len(free):
             raise PoolError(f"{self.name} pool: a slot is on the free list twice")
         for s in free:
-            if self._owner[s] is not None:
-                raise PoolError(f"{self.name} pool: slot {s} is free and owned by {self._owner[s]!r}")
-        owned = sum(1 for o in self._owner if o is not None)
+            if own[s] is not None:
+                raise PoolError(f"{self.name} pool: slot {s} is free and owned by {own[s]!r}")
+        owned = self.capacity - own.count(None)
         if owned + len(free) != self.capacity:
             lost = self.capacity - owned - len(free)
             raise PoolError(f"{self.name} pool: {lost} slots are neither free nor owned")

@@ -4,13 +4,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import attrs
-
 if TYPE_CHECKING:
     from hicache.core.node import TreeNode
 
 
-@attrs.frozen(slots=True, eq=False)
 class DecodePrefixMatch:
     """How much of a prompt each tier holds, in pages, with the anchors to act on it.
 
@@ -18,15 +15,44 @@ class DecodePrefixMatch:
     from `l3_start` on are candidates for a storage (L3) query. `device_node` is the deepest
     matched node on L1 (lock it to keep the L1 hit); `host_node` is the deepest matched node
     (pin it to keep the L2 hit until it is loaded back).
+
+    A value, never changed once made; a plain class rather than attrs, so that the compiled
+    build constructs it natively (one per match).
     """
 
-    query_pages: int
-    device_pages: int
-    host_pages: int
-    device_slots: list[int]
-    host_slots: list[int]
-    device_node: TreeNode
-    host_node: TreeNode
+    __slots__ = (
+        "query_pages",
+        "device_pages",
+        "host_pages",
+        "device_slots",
+        "host_slots",
+        "device_node",
+        "host_node",
+    )
+
+    def __init__(
+        self,
+        query_pages: int,
+        device_pages: int,
+        host_pages: int,
+        device_slots: list[int],
+        host_slots: list[int],
+        device_node: TreeNode,
+        host_node: TreeNode,
+    ) -> None:
+        self.query_pages = query_pages
+        self.device_pages = device_pages
+        self.host_pages = host_pages
+        self.device_slots = device_slots
+        self.host_slots = host_slots
+        self.device_node = device_node
+        self.host_node = host_node
+
+    def __repr__(self) -> str:
+        return (
+            f"DecodePrefixMatch(query_pages={self.query_pages}, device_pages={self.device_pages},"
+            f" host_pages={self.host_pages}, device_node={self.device_node!r}, host_node={self.host_node!r})"
+        )
 
     @property
     def l3_start(self) -> int:

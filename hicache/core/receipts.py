@@ -2,31 +2,42 @@
 
 `lock` and `pin_host` return a receipt; only that receipt can undo them, exactly once. A
 receipt names the node it protects, so unlocking "the wrong node" cannot be expressed.
+
+Receipts are plain classes, not attrs, and never change once made: a replay makes one per
+lock, and the compiled build constructs a plain class natively.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import attrs
-
 if TYPE_CHECKING:
     from hicache.core.node import TreeNode
 
 
-@attrs.frozen(slots=True, eq=False)
 class LockReceipt:
     """Proof that the L1 path from `node` to the root is locked against eviction."""
 
-    tree_id: int
-    serial: int
-    node: TreeNode
+    __slots__ = ("tree_id", "serial", "node")
+
+    def __init__(self, tree_id: int, serial: int, node: TreeNode) -> None:
+        self.tree_id = tree_id
+        self.serial = serial
+        self.node = node
+
+    def __repr__(self) -> str:
+        return f"LockReceipt(tree_id={self.tree_id}, serial={self.serial}, node={self.node!r})"
 
 
-@attrs.frozen(slots=True, eq=False)
 class HostPin:
     """Proof that the L2 path from `node` to the root is pinned against host eviction."""
 
-    tree_id: int
-    serial: int
-    node: TreeNode
+    __slots__ = ("tree_id", "serial", "node")
+
+    def __init__(self, tree_id: int, serial: int, node: TreeNode) -> None:
+        self.tree_id = tree_id
+        self.serial = serial
+        self.node = node
+
+    def __repr__(self) -> str:
+        return f"HostPin(tree_id={self.tree_id}, serial={self.serial}, node={self.node!r})"

@@ -45,4 +45,10 @@ class Router:
         lo, hi = min(loads), max(loads)
         if hi - lo > self.balance_abs and hi > lo * self.balance_rel:
             return min(range(self.nodes), key=lambda i: (loads[i], i))
-        return max(range(self.nodes), key=lambda i: (matched(i), -loads[i], -i))
+        # The longest match; among equals the least loaded, then the lowest index.
+        best, best_match, best_load = 0, matched(0), loads[0]
+        for i in range(1, self.nodes):
+            m = matched(i)
+            if m > best_match or (m == best_match and loads[i] < best_load):
+                best, best_match, best_load = i, m, loads[i]
+        return best

@@ -23,6 +23,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import attrs
 import numpy as np
@@ -40,6 +41,10 @@ TREE: Owner = "tree"
 """The pool owner of every slot held by a tree node."""
 
 _tree_ids = itertools.count(1)
+
+# The results below are values, never changed once made. They are plain classes rather than
+# attrs, so that the compiled build constructs them natively (one per insert, eviction and
+# backup of a replay; an attrs-generated `__init__` stays interpreted).
 
 
 @attrs.define(slots=True)
@@ -61,30 +66,91 @@ class TreeStats:
     splits: int = 0
 
 
-@attrs.frozen(slots=True)
 class InsertResult:
     """What an insert did with the caller's slots, in pages."""
 
-    cached_pages: int  # already on L1: the caller's duplicate slots were freed
-    adopted_pages: int  # taken over by the tree (new nodes, or host-only nodes back on L1)
+    __slots__ = ("cached_pages", "adopted_pages")
+
+    def __init__(self, cached_pages: int, adopted_pages: int) -> None:
+        self.cached_pages = cached_pages  # already on L1: the caller's duplicate slots were freed
+        self.adopted_pages = adopted_pages  # taken over by the tree (new nodes, host-only nodes on L1)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, InsertResult):
+            return NotImplemented
+        return (self.cached_pages, self.adopted_pages) == (other.cached_pages, other.adopted_pages)
+
+    def __repr__(self) -> str:
+        return f"InsertResult(cached_pages={self.cached_pages}, adopted_pages={self.adopted_pages})"
 
 
-@attrs.frozen(slots=True)
 class EvictResult:
-    """Pages freed now, pages that free when a pending backup completes, and the keys affected."""
+    """Pages freed now, pages that free when a pending backup completes, and the keys affected:
+    `demoted_keys` left L1 and stay on L2, `dropped_keys` left the tree.
 
-    freed: int
-    pending: int
-    demoted_keys: list[int]  # left L1, still on L2
-    dropped_keys: list[int]  # left the tree
+    The keys are kept as the evicted nodes' own key runs and joined only when read: an
+    eviction frees thousands of pages, and its callers seldom ask which."""
+
+    __slots__ = ("freed", "pending", "_demoted", "_dropped")
+
+    def __init__(
+        self, freed: int, pending: int, demoted_keys: Sequence[int] = (), dropped_keys: Sequence[int] = ()
+    ) -> None:
+        self.freed = freed
+        self.pending = pending
+        self._demoted: list[tuple[int, ...]] = [tuple(demoted_keys)] if demoted_keys else []
+        self._dropped: list[tuple[int, ...]] = [tuple(dropped_keys)] if dropped_keys else []
+
+    @staticmethod
+    def of_runs(
+        freed: int, pending: int, demoted: list[tuple[int, ...]], dropped: list[tuple[int, ...]]
+    ) -> EvictResult:
+        r = EvictResult(freed, pending)
+        r._demoted = demoted
+        r._dropped = dropped
+        return r
+
+    @property
+    def demoted_keys(self) -> list[int]:
+        return [k for run in self._demoted for k in run]
+
+    @property
+    def dropped_keys(self) -> list[int]:
+        return [k for run in self._dropped for k in run]
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, EvictResult):
+            return NotImplemented
+        return (self.freed, self.pending, self.demoted_keys, self.dropped_keys) == (
+            other.freed,
+            other.pending,
+            other.demoted_keys,
+            other.dropped_keys,
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"EvictResult(freed={self.freed}, pending={self.pending},"
+            f" demoted_keys={self.demoted_keys!r}, dropped_keys={self.dropped_keys!r})"
+        )
 
 
-@attrs.frozen(slots=True)
 class BackupResult:
     """Keys whose L2 copies became valid, and those of them that then left L1 (write-back)."""
 
-    backed_keys: list[int]
-    demoted_keys: list[int]
+    __slots__ = ("backed_keys", "demoted_keys")
+
+    def __init__(self, backed_keys: list[int], demoted_keys: list[int]) -> None:
+        self.backed_keys = backed_keys
+        self.demoted_keys = demoted_keys
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, BackupResult):
+            return NotImplemented
+        return (self.backed_keys, self.demoted_keys) == (other.backed_keys, other.demoted_keys)
+
+    def __repr__(self) -> str:
+        return f"BackupResult(backed_keys={self.backed_keys!r}, demoted_keys={self.demoted_keys!r})"
 
 
 class TieredRadixTree:
@@ -124,11 +190,13 @@ class TieredRadixTree:
         self.num_nodes = 0
         self.outbox: list[Command] = []
         self.stats = TreeStats()
-        # Eviction heaps of (key, version, node id): no node in an entry, so that the garbage
-        # collector stops scanning an entry after its first collection; `_by_id` finds the node
-        # (every node in the tree, not the root; an entry whose node left is skipped).
-        self._l1_heap: list[tuple[tuple[float, ...], int, int]] = []
-        self._l2_heap: list[tuple[tuple[float, ...], int, int]] = []
+        # Eviction heaps of (*key, version, node id), flat: comparing two entries then compares
+        # numbers, not nested tuples (a third of an eviction's time went to that). No node in an
+        # entry, so the garbage collector stops scanning an entry after its first collection;
+        # `_by_id` finds the node (every node in the tree, not the root; an entry whose node
+        # left is skipped).
+        self._l1_heap: list[tuple[Any, ...]] = []
+        self._l2_heap: list[tuple[Any, ...]] = []
         self._by_id: dict[int, TreeNode] = {}
         self._ops = ids if ids is not None else itertools.count(1)
         # Slots whose nodes gave them up while a pin or an op still used them; freed when it ends.
@@ -387,60 +455,61 @@ class TieredRadixTree:
         A backed-up leaf is demoted to L2 only; one that is not is dropped, or under
         `write_back` backed up first (its slots then free when the backup completes)."""
         freed = pending = 0
-        demoted: list[int] = []
-        dropped: list[int] = []
+        demoted: list[tuple[int, ...]] = []
+        dropped: list[tuple[int, ...]] = []
         # Read the heap attribute each time: a push below may rebuild it into a new list.
         by_id = self._by_id
         while freed + pending < pages and self._l1_heap:
-            key, ver, nid = heapq.heappop(self._l1_heap)
-            node = by_id.get(nid)  # type: ignore[assignment]
-            if node is None or ver != node.l1_ver:
+            entry = heapq.heappop(self._l1_heap)
+            node = by_id.get(entry[-1])  # type: ignore[assignment]
+            if node is None or entry[-2] != node.l1_ver:
                 continue
             node.l1_queued = False
             if not self._l1_evictable(node):
                 continue  # pushed again when it becomes evictable
-            if self._priority(node) != key:  # used since it was queued: back in line at its key
+            if self._priority(node) != entry[:-2]:  # used since it was queued: back in line at its key
                 self._push_l1(node)
                 continue
             size = len(node.keys)
             if node.host is not None:
                 self._demote(node)
-                demoted.extend(node.keys)
+                demoted.append(node.keys)
                 freed += size
             elif self.write_policy is WritePolicy.WRITE_BACK and self._backup_path(node):
                 node.evict_after_backup = True
                 pending += size
             else:
-                dropped.extend(node.keys)
+                dropped.append(node.keys)
                 self._drop(node)
                 freed += size
-        return EvictResult(freed, pending, demoted, dropped)
+        return EvictResult.of_runs(freed, pending, demoted, dropped)
 
     def evict_host(self, pages: int) -> EvictResult:
         """Free at least `pages` L2 pages from unpinned host-only leaves, lowest priority first."""
         freed = 0
-        dropped: list[int] = []
+        dropped: list[tuple[int, ...]] = []
         by_id = self._by_id
         while freed < pages and self._l2_heap:
-            key, ver, nid = heapq.heappop(self._l2_heap)
-            node = by_id.get(nid)  # type: ignore[assignment]
-            if node is None or ver != node.l2_ver:
+            entry = heapq.heappop(self._l2_heap)
+            node = by_id.get(entry[-1])  # type: ignore[assignment]
+            if node is None or entry[-2] != node.l2_ver:
                 continue
             node.l2_queued = False
             if not self._l2_evictable(node):
                 continue
-            if self._priority(node) != key:
+            if self._priority(node) != entry[:-2]:
                 self._push_l2(node)
                 continue
             freed += len(node.keys)
-            dropped.extend(node.keys)
+            dropped.append(node.keys)
             self.host_pool.free(node.host, TREE, checked=True)  # type: ignore[arg-type]
             node.host = None
             self.stats.host_evicted += len(node.keys)
             self._remove(node)
+        result = EvictResult.of_runs(freed, 0, [], dropped)
         if dropped and self.on_host_evict is not None:
-            self.on_host_evict(dropped)
-        return EvictResult(freed, 0, [], dropped)
+            self.on_host_evict(result.dropped_keys)
+        return result
 
     def _l1_evictable(self, node: TreeNode) -> bool:
         return (
@@ -847,21 +916,21 @@ class TieredRadixTree:
     def _push_l1(self, node: TreeNode) -> None:
         node.l1_ver += 1
         node.l1_queued = True
-        heapq.heappush(self._l1_heap, (self._priority(node), node.l1_ver, node.id))
+        heapq.heappush(self._l1_heap, self._priority(node) + (node.l1_ver, node.id))
         if len(self._l1_heap) > 4 * self.num_nodes + 1024:
             self._l1_heap = self._rebuild(self._l1_heap, "l1_ver")
 
     def _push_l2(self, node: TreeNode) -> None:
         node.l2_ver += 1
         node.l2_queued = True
-        heapq.heappush(self._l2_heap, (self._priority(node), node.l2_ver, node.id))
+        heapq.heappush(self._l2_heap, self._priority(node) + (node.l2_ver, node.id))
         if len(self._l2_heap) > 4 * self.num_nodes + 1024:
             self._l2_heap = self._rebuild(self._l2_heap, "l2_ver")
 
     def _rebuild(self, heap: list, ver: str) -> list:
         """Drop superseded entries so the lazy heap stays proportional to the tree."""
         by_id = self._by_id
-        live = [e for e in heap if (n := by_id.get(e[2])) is not None and e[1] == getattr(n, ver)]
+        live = [e for e in heap if (n := by_id.get(e[-1])) is not None and e[-2] == getattr(n, ver)]
         heapq.heapify(live)
         return live
 
@@ -902,41 +971,15 @@ class TieredRadixTree:
         while stack:
             n, parent = stack.pop()
             count += 1
-            where = f"tree check: {n!r}"
-            if n.parent is not parent or parent.children.get(n.keys[0]) is not n:
-                raise CoreError(f"{where}: parent link broken")
-            if self._by_id.get(n.id) is not n:
-                raise CoreError(f"{where}: not found by its id")
-            if not n.keys:
-                raise CoreError(f"{where}: holds no pages")
-            if n.device is None and n.host is None:
-                raise CoreError(f"{where}: held by no tier")
-            for slots, seen, name in ((n.device, dev_seen, "L1"), (n.host, host_seen, "L2")):
-                if slots is None:
-                    continue
-                if len(slots) != len(n.keys):
-                    raise CoreError(f"{where}: {len(slots)} {name} slots for {len(n.keys)} pages")
-                for s in slots:
-                    if s in seen:
-                        raise CoreError(f"{where}: {name} slot {s} held by two nodes")
-                    seen.add(s)
-            if n.device is not None and parent is not self.root and parent.device is None:
-                raise CoreError(f"{where}: on L1 below a parent that is not")
-            if n.host is not None and parent is not self.root and parent.host is None:
-                raise CoreError(f"{where}: on L2 below a parent that is not")
-            if n.host_pending and n.device is None:
-                raise CoreError(f"{where}: backup pending without its L1 source")
-            if n.host_pending and not n.ops:
-                raise CoreError(f"{where}: backup pending without a backup in flight")
-            if n.lock_ref != lock_expect.get(n.id, 0):
-                raise CoreError(f"{where}: lock_ref {n.lock_ref}, receipts say {lock_expect.get(n.id, 0)}")
-            if n.host_ref != pin_expect.get(n.id, 0):
-                raise CoreError(f"{where}: host_ref {n.host_ref}, pins say {pin_expect.get(n.id, 0)}")
-            if n.lock_ref and n.device is None:
-                raise CoreError(f"{where}: locked but not on L1")
-            dc = sum(1 for c in n.children.values() if c.device is not None)
-            if dc != n.dev_children:
-                raise CoreError(f"{where}: dev_children {n.dev_children}, actual {dc}")
+            problem = self._node_problem(n, parent, lock_expect, pin_expect)
+            if problem is None:
+                for slots, seen, name in ((n.device, dev_seen, "L1"), (n.host, host_seen, "L2")):
+                    if slots is not None:
+                        problem = _claim(slots, seen, name)
+                        if problem is not None:
+                            break
+            if problem is not None:
+                raise CoreError(f"tree check: {n!r}: {problem}")
             stack.extend((c, n) for c in n.children.values())
         if count != self.num_nodes:
             raise CoreError(f"tree check: num_nodes {self.num_nodes}, found {count}")
@@ -952,11 +995,64 @@ class TieredRadixTree:
                     host_seen.add(s)
         for pool, seen in ((self.device_pool, dev_seen), (self.host_pool, host_seen)):
             pool.check()
-            owned = set(pool.owned_by(TREE))
-            if owned != seen:
+            if not pool.owns_exactly(TREE, seen):
                 raise CoreError(
-                    f"tree check: {pool.name} pool gives the tree {len(owned)} slots, nodes hold {len(seen)}"
+                    f"tree check: {pool.name} pool gives the tree {len(pool.owned_by(TREE))} slots,"
+                    f" nodes hold {len(seen)}"
                 )
+
+    def _node_problem(
+        self, n: TreeNode, parent: TreeNode, lock_expect: dict[int, int], pin_expect: dict[int, int]
+    ) -> str | None:
+        """The first invariant `n` (a child of `parent`) breaks on its own, or None."""
+        if n.parent is not parent or parent.children.get(n.keys[0]) is not n:
+            return "parent link broken"
+        if self._by_id.get(n.id) is not n:
+            return "not found by its id"
+        if not n.keys:
+            return "holds no pages"
+        if n.device is None and n.host is None:
+            return "held by no tier"
+        for slots, name in ((n.device, "L1"), (n.host, "L2")):
+            if slots is not None and len(slots) != len(n.keys):
+                return f"{len(slots)} {name} slots for {len(n.keys)} pages"
+        if n.device is not None and parent is not self.root and parent.device is None:
+            return "on L1 below a parent that is not"
+        if n.host is not None and parent is not self.root and parent.host is None:
+            return "on L2 below a parent that is not"
+        if n.host_pending and n.device is None:
+            return "backup pending without its L1 source"
+        if n.host_pending and not n.ops:
+            return "backup pending without a backup in flight"
+        if n.lock_ref != lock_expect.get(n.id, 0):
+            return f"lock_ref {n.lock_ref}, receipts say {lock_expect.get(n.id, 0)}"
+        if n.host_ref != pin_expect.get(n.id, 0):
+            return f"host_ref {n.host_ref}, pins say {pin_expect.get(n.id, 0)}"
+        if n.lock_ref and n.device is None:
+            return "locked but not on L1"
+        dc = 0
+        for c in n.children.values():
+            if c.device is not None:
+                dc += 1
+        if dc != n.dev_children:
+            return f"dev_children {n.dev_children}, actual {dc}"
+        return None
+
+
+def _claim(slots: tuple[int, ...], seen: set[int], name: str) -> str | None:
+    """Add a node's `slots` to those `seen` so far (at C speed: a tree holds every slot of
+    its pools); what is wrong when a slot is held twice."""
+    before = len(seen)
+    if seen.isdisjoint(slots):
+        seen.update(slots)
+        if len(seen) - before == len(slots):
+            return None
+        seen.difference_update(slots)  # one is named twice in this node: find it below
+    for s in slots:
+        if s in seen:
+            return f"{name} slot {s} held by two nodes"
+        seen.add(s)
+    raise AssertionError("unreachable: a repeated slot was found above")
 
 
 def first_failed(failed: Sequence[int], total: int, what: str) -> int:
