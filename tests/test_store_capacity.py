@@ -587,6 +587,51 @@ def test_two_processes_share_one_directory_and_its_capacity(tmp_path: Path) -> N
     assert indexed == on_disk and used == sum(on_disk.values())
 
 
+OPENER = textwrap.dedent(
+    """
+    import json, pathlib, sys, time
+    from hicache.runtime.kv_layout import KVLayout
+    from hicache.runtime.storage import FileStore
+
+    root, me, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    layout = KVLayout(layers=2, kv_heads=2, head_dim=8, page_size=4, dtype="bfloat16")
+    indexed = []
+    for r in range(rounds):
+        where = pathlib.Path(root, f"round-{r}")
+        where.mkdir(exist_ok=True)
+        (where / f".ready-{me}").touch()
+        while len(ready := list(where.glob(".ready-*"))) < 2:
+            time.sleep(0.001)
+        start = max(f.stat().st_mtime for f in ready) + 0.05  # the same moment for both
+        while time.time() < start:
+            pass
+        store = FileStore(where / "pages", layout, secret=b"capacity-tests", capacity_bytes=1 << 20)
+        indexed.append(store._index is not None)
+    print(json.dumps(indexed))
+    """
+)
+
+
+def test_two_processes_opening_a_new_directory_at_once_both_keep_its_capacity(tmp_path: Path) -> None:
+    """Switching a new index file to WAL answers "database is locked" at once (no busy wait) to
+    the second of two processes that open it together; that one must wait and open it, not
+    fall back to reading only (it would then write nothing for its whole life)."""
+    rounds = 8
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", OPENER, str(tmp_path), me, str(rounds)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for me in ("a", "b")
+    ]
+    for proc in procs:
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err
+        assert json.loads(out.strip().splitlines()[-1]) == [True] * rounds, err
+
+
 # ------------------------------------------------------------------- NIXL's POSIX backend
 
 

@@ -31,6 +31,7 @@ import contextlib
 import math
 import sqlite3
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
@@ -79,20 +80,40 @@ class PageIndex:
         self._lock = threading.Lock()
         self._db = sqlite3.connect(path, timeout=timeout, isolation_level=None, check_same_thread=False)
         try:
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=NORMAL")
-            self._db.executescript(_SCHEMA)
-            if capacity is None:
-                capacity = self._meta(self._db, "capacity")
-                if not capacity:
-                    raise NoRoom(f"{path}: no capacity recorded to join")
-            else:
-                self._db.execute("UPDATE meta SET v = ? WHERE k = 'capacity'", (capacity,))
+            capacity = self._set_up(capacity, timeout)
         except BaseException:
             self._db.close()
             raise
         self.capacity: int = capacity
         self.protected_capacity = math.floor(capacity * protected_fraction)
+
+    def _set_up(self, capacity: int | None, timeout: float) -> int:
+        """WAL mode, the schema and the capacity, retried while another process holds the file:
+        switching a new file to WAL answers "database is locked" at once, without the busy
+        wait, when two processes open the same directory at the same moment. Every step is
+        idempotent."""
+        deadline = time.monotonic() + timeout
+        pause = 0.005
+        while True:
+            try:
+                self._db.execute("PRAGMA journal_mode=WAL")
+                self._db.execute("PRAGMA synchronous=NORMAL")
+                self._db.executescript(_SCHEMA)
+                if capacity is None:
+                    joined = self._meta(self._db, "capacity")
+                    if not joined:
+                        raise NoRoom(f"{self.path}: no capacity recorded to join")
+                    return joined
+                self._db.execute("UPDATE meta SET v = ? WHERE k = 'capacity'", (capacity,))
+                return capacity
+            except sqlite3.OperationalError as exc:
+                busy = exc.sqlite_errorcode in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
+                if not busy or time.monotonic() + pause > deadline:
+                    raise
+                if self._db.in_transaction:
+                    self._db.execute("ROLLBACK")
+                time.sleep(pause)
+                pause = min(2 * pause, 0.2)
 
     def close(self) -> None:
         with self._lock:
