@@ -54,6 +54,7 @@ CORE = (
     "router",
     "states",
     "tree",
+    "value",
     "write_policy",
 )
 SIM = ("channel", "cluster", "costs", "decode", "engine", "prefill", "store")

@@ -19,8 +19,6 @@ from hicache.core.pages import block_sequence_keys, namespace_seed, page_keys, p
 from hicache.scenarios.multiturn import ChatRequest
 from hicache.scenarios.traces import TraceRequest
 
-_MASK = (1 << 64) - 1
-
 
 @attrs.frozen(slots=True)
 class WorkItem:

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+from hicache.core.value import Value
+
 _FIELDS = ("l1", "l2", "l3", "transferred", "fallback", "retractions")
 
 
-class Account:
+class Account(Value):
     """Tokens of the prompt by source, for the request's latest admission.
 
-    A value: never changed once made (`add` makes a new one). A plain class rather than attrs,
-    so that the compiled build constructs it natively (several per request)."""
+    A value (`hicache.core.value`): `add` makes a new one."""
 
     __slots__ = _FIELDS
 
@@ -35,16 +36,8 @@ class Account:
     def as_dict(self) -> dict[str, int]:
         return dict(zip(_FIELDS, self.as_tuple(), strict=True))
 
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, Account):
-            return NotImplemented
-        return self.as_tuple() == other.as_tuple()
-
-    def __hash__(self) -> int:
-        return hash(self.as_tuple())
-
-    def __repr__(self) -> str:
-        return "Account(" + ", ".join(f"{k}={v}" for k, v in zip(_FIELDS, self.as_tuple(), strict=True)) + ")"
+    def fields(self) -> tuple[tuple[str, object], ...]:
+        return tuple(zip(_FIELDS, self.as_tuple(), strict=True))
 
     @property
     def cached(self) -> int:

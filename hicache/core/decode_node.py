@@ -58,7 +58,6 @@ import attrs
 
 from hicache.core import commands as cmd
 from hicache.core import events as ev
-from hicache.core.account import Account
 from hicache.core.backoff import retry_delay
 from hicache.core.commands import AgreeKind, Outcome, TimerKind
 from hicache.core.config import DecodeConfig, PromisePolicy, RetractPolicy
@@ -81,6 +80,7 @@ from hicache.core.receipts import HostPin, LockReceipt
 from hicache.core.request import Request
 from hicache.core.states import TRANSITIONS, Decision, State, Trigger, trigger_name
 from hicache.core.tree import TREE, TieredRadixTree, first_failed
+from hicache.core.value import Value
 
 
 @attrs.define(slots=True)
@@ -1205,8 +1205,8 @@ def _plain(x: object) -> object:
         return (type(x).__name__, x.serial)
     if isinstance(x, TreeNode):
         return ("node", x.id)
-    if isinstance(x, Account):
-        return ("Account", *x.as_tuple())
+    if isinstance(x, Value):
+        return (type(x).__name__, *[_plain(v) for _, v in x.fields()])
     cls: Any = type(x)
     if attrs.has(cls):
         return (cls.__name__, *[_plain(getattr(x, f.name)) for f in attrs.fields(cls)])

@@ -15,29 +15,27 @@ if TYPE_CHECKING:
     from hicache.core.node import TreeNode
 
 
-class LockReceipt:
+class _Receipt:
+    """A receipt: which tree, its serial there, and the node whose path it protects."""
+
+    __slots__ = ("tree_id", "serial", "node")
+
+    def __init__(self, tree_id: int, serial: int, node: TreeNode) -> None:
+        self.tree_id = tree_id
+        self.serial = serial
+        self.node = node
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(tree_id={self.tree_id}, serial={self.serial}, node={self.node!r})"
+
+
+class LockReceipt(_Receipt):
     """Proof that the L1 path from `node` to the root is locked against eviction."""
 
-    __slots__ = ("tree_id", "serial", "node")
-
-    def __init__(self, tree_id: int, serial: int, node: TreeNode) -> None:
-        self.tree_id = tree_id
-        self.serial = serial
-        self.node = node
-
-    def __repr__(self) -> str:
-        return f"LockReceipt(tree_id={self.tree_id}, serial={self.serial}, node={self.node!r})"
+    __slots__ = ()
 
 
-class HostPin:
+class HostPin(_Receipt):
     """Proof that the L2 path from `node` to the root is pinned against host eviction."""
 
-    __slots__ = ("tree_id", "serial", "node")
-
-    def __init__(self, tree_id: int, serial: int, node: TreeNode) -> None:
-        self.tree_id = tree_id
-        self.serial = serial
-        self.node = node
-
-    def __repr__(self) -> str:
-        return f"HostPin(tree_id={self.tree_id}, serial={self.serial}, node={self.node!r})"
+    __slots__ = ()

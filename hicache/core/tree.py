@@ -35,16 +35,13 @@ from hicache.core.node import TreeNode
 from hicache.core.pool import Owner, SlotPool
 from hicache.core.prefix_match import DecodePrefixMatch
 from hicache.core.receipts import HostPin, LockReceipt
+from hicache.core.value import Value
 from hicache.core.write_policy import WritePolicy
 
 TREE: Owner = "tree"
 """The pool owner of every slot held by a tree node."""
 
 _tree_ids = itertools.count(1)
-
-# The results below are values, never changed once made. They are plain classes rather than
-# attrs, so that the compiled build constructs them natively (one per insert, eviction and
-# backup of a replay; an attrs-generated `__init__` stays interpreted).
 
 
 @attrs.define(slots=True)
@@ -66,7 +63,7 @@ class TreeStats:
     splits: int = 0
 
 
-class InsertResult:
+class InsertResult(Value):
     """What an insert did with the caller's slots, in pages."""
 
     __slots__ = ("cached_pages", "adopted_pages")
@@ -75,16 +72,11 @@ class InsertResult:
         self.cached_pages = cached_pages  # already on L1: the caller's duplicate slots were freed
         self.adopted_pages = adopted_pages  # taken over by the tree (new nodes, host-only nodes on L1)
 
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, InsertResult):
-            return NotImplemented
-        return (self.cached_pages, self.adopted_pages) == (other.cached_pages, other.adopted_pages)
-
-    def __repr__(self) -> str:
-        return f"InsertResult(cached_pages={self.cached_pages}, adopted_pages={self.adopted_pages})"
+    def fields(self) -> tuple[tuple[str, object], ...]:
+        return (("cached_pages", self.cached_pages), ("adopted_pages", self.adopted_pages))
 
 
-class EvictResult:
+class EvictResult(Value):
     """Pages freed now, pages that free when a pending backup completes, and the keys affected:
     `demoted_keys` left L1 and stay on L2, `dropped_keys` left the tree.
 
@@ -118,24 +110,16 @@ class EvictResult:
     def dropped_keys(self) -> list[int]:
         return [k for run in self._dropped for k in run]
 
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, EvictResult):
-            return NotImplemented
-        return (self.freed, self.pending, self.demoted_keys, self.dropped_keys) == (
-            other.freed,
-            other.pending,
-            other.demoted_keys,
-            other.dropped_keys,
-        )
-
-    def __repr__(self) -> str:
+    def fields(self) -> tuple[tuple[str, object], ...]:
         return (
-            f"EvictResult(freed={self.freed}, pending={self.pending},"
-            f" demoted_keys={self.demoted_keys!r}, dropped_keys={self.dropped_keys!r})"
+            ("freed", self.freed),
+            ("pending", self.pending),
+            ("demoted_keys", self.demoted_keys),
+            ("dropped_keys", self.dropped_keys),
         )
 
 
-class BackupResult:
+class BackupResult(Value):
     """Keys whose L2 copies became valid, and those of them that then left L1 (write-back)."""
 
     __slots__ = ("backed_keys", "demoted_keys")
@@ -144,13 +128,8 @@ class BackupResult:
         self.backed_keys = backed_keys
         self.demoted_keys = demoted_keys
 
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, BackupResult):
-            return NotImplemented
-        return (self.backed_keys, self.demoted_keys) == (other.backed_keys, other.demoted_keys)
-
-    def __repr__(self) -> str:
-        return f"BackupResult(backed_keys={self.backed_keys!r}, demoted_keys={self.demoted_keys!r})"
+    def fields(self) -> tuple[tuple[str, object], ...]:
+        return (("backed_keys", self.backed_keys), ("demoted_keys", self.demoted_keys))
 
 
 class TieredRadixTree:
