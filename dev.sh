@@ -2,6 +2,8 @@
 # Set up (or reuse) the virtualenv at .venv/ and run the demo or the test suite.
 #   ./dev.sh demo [ARGS...]   the main job on a generated default workload
 #   ./dev.sh test [ARGS...]   the whole test suite (what CI runs)
+#   ./dev.sh quick [ARGS...]  the fast tier: every test not marked process, real_model or slow
+#                             (pytest --quick, tests/conftest.py), 80-90 s on 2 cores
 #   ./dev.sh serve [ARGS...]  the default model behind SGLang's and OpenAI's HTTP APIs
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
@@ -48,8 +50,14 @@ case "$cmd" in
     .venv/bin/ruff check .
     exec .venv/bin/pytest "$@"
     ;;
+  quick)
+    setup
+    .venv/bin/ruff check .
+    # The "dev" hypothesis profile (20 examples a property) unless the caller names another.
+    HICACHE_HYPOTHESIS_PROFILE=${HICACHE_HYPOTHESIS_PROFILE:-dev} exec .venv/bin/pytest --quick "$@"
+    ;;
   *)
-    echo "usage: ./dev.sh demo|test|serve [ARGS...]" >&2
+    echo "usage: ./dev.sh demo|test|quick|serve [ARGS...]" >&2
     exit 2
     ;;
 esac

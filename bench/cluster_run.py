@@ -16,13 +16,13 @@ import numpy as np
 import trio
 
 from hicache.core.router import ROUTERS, Router
-from hicache.runtime.client import DecodeClient
 from hicache.runtime.launch import NodeProcess, start_node
-from hicache.runtime.model import TinyConfig, TinyModel
+from hicache.runtime.model.llama import TinyConfig, TinyModel
 from hicache.runtime.serving.backend import GenerateRequest, ModelInfo, SamplingSpec
 from hicache.runtime.serving.node_backend import NodeBackend
 from hicache.runtime.serving.routed_backend import RoutedBackend
 from hicache.runtime.verify import KVLedger
+from hicache.runtime.wire.client import DecodeClient
 
 PAGE = 16
 

@@ -33,8 +33,8 @@ import torch  # noqa: E402
 import trio  # noqa: E402
 from page_layouts import layout_for  # noqa: E402
 
-from hicache.runtime.copy_engine import LARGE_PAGE_BYTES, CopyEngine  # noqa: E402
-from hicache.runtime.kv_pool import KVPool  # noqa: E402
+from hicache.runtime.kv.copy_engine import LARGE_PAGE_BYTES, CopyEngine  # noqa: E402
+from hicache.runtime.kv.kv_pool import KVPool  # noqa: E402
 
 
 def memcpy_gbps(nbytes: int, repeat: int) -> list[float]:

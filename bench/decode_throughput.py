@@ -22,8 +22,8 @@ import time
 
 import torch
 
-from hicache.runtime.llm.loader import load_model
-from hicache.runtime.model import LlamaModel
+from hicache.runtime.model.llama import LlamaModel
+from hicache.runtime.model.loader import load_model
 
 PROMPT = "Write a short story about a robot who learns to paint. Once upon a time"
 

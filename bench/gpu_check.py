@@ -61,9 +61,9 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import trio  # noqa: E402
 
-from hicache.runtime.copy_engine import CopyEngine  # noqa: E402
-from hicache.runtime.kv_layout import KVLayout  # noqa: E402
-from hicache.runtime.kv_pool import KVPool  # noqa: E402
+from hicache.runtime.kv.copy_engine import CopyEngine  # noqa: E402
+from hicache.runtime.kv.kv_layout import KVLayout  # noqa: E402
+from hicache.runtime.kv.kv_pool import KVPool  # noqa: E402
 
 GiB = 1 << 30
 LAYOUTS = {

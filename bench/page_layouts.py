@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hicache.runtime.kv_layout import KVLayout
+from hicache.runtime.kv.kv_layout import KVLayout
 
 TOKEN_LAYER_BYTES = 2 * 8 * 128 * 2  # K and V of one token in one layer: 8 KV heads x 128 x bf16
 

@@ -1,15 +1,14 @@
 """What the serving benchmarks share: a real client in a virtualenv of its own (nothing of this
-project in it), and a `hicache serve` process that stops when the block ends."""
+project in it), and a `hicache serve` process that stops when the block ends (`hicache_serve`,
+from `hicache.runtime.serving.chat_traffic`, which the tests use too)."""
 
 from __future__ import annotations
 
-import contextlib
-import json
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+
+from hicache.runtime.serving.chat_traffic import hicache_serve
 
 VENVS = Path(__file__).resolve().parent / ".venvs"
 
@@ -25,21 +24,4 @@ def client_venv(name: str, requirement: str, program: str) -> Path:
     return exe
 
 
-@contextlib.contextmanager
-def hicache_serve(args: list[str], log: Path) -> Iterator[dict[str, Any]]:
-    """`hicache serve ARGS` with its stderr in `log`; yields its ready line (url, model, ...)."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "hicache", "serve", *args],
-        stdout=subprocess.PIPE,
-        stderr=log.open("w"),
-        text=True,
-    )
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        if not line:
-            raise SystemExit(f"hicache serve did not start: {log.read_text()[-2000:]}")
-        yield json.loads(line)
-    finally:
-        proc.terminate()
-        proc.wait(30)
+__all__ = ["VENVS", "client_venv", "hicache_serve"]

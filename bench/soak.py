@@ -46,11 +46,11 @@ except ImportError:  # run from a checkout without installing: put the repo root
 
 import trio  # noqa: E402
 
-from hicache.runtime import protocol  # noqa: E402
-from hicache.runtime.client import DecodeClient  # noqa: E402
 from hicache.runtime.launch import NodeProcess, start_node  # noqa: E402
-from hicache.runtime.model import TinyConfig, TinyModel  # noqa: E402
+from hicache.runtime.model.llama import TinyConfig, TinyModel  # noqa: E402
 from hicache.runtime.verify import KVLedger  # noqa: E402
+from hicache.runtime.wire import protocol  # noqa: E402
+from hicache.runtime.wire.client import DecodeClient  # noqa: E402
 
 # Fault kinds injected at `--fault-rate` each, per kind of operation of the decode node.
 FAULT_KINDS = {

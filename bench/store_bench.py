@@ -35,8 +35,8 @@ import torch  # noqa: E402
 import trio  # noqa: E402
 from page_layouts import layout_for  # noqa: E402
 
-from hicache.runtime.kv_layout import KVLayout  # noqa: E402
-from hicache.runtime.kv_pool import KVPool  # noqa: E402
+from hicache.runtime.kv.kv_layout import KVLayout  # noqa: E402
+from hicache.runtime.kv.kv_pool import KVPool  # noqa: E402
 from hicache.runtime.storage.file_store import HEADER_SIZE, FileStore  # noqa: E402
 
 

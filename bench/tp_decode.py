@@ -21,8 +21,8 @@ from pathlib import Path
 import numpy as np
 import trio
 
-from hicache.runtime.client import DecodeClient
 from hicache.runtime.launch import NodeProcess, start_node
+from hicache.runtime.wire.client import DecodeClient
 
 
 async def one_round(port: int, prompts: list[list[int]], new: int, tag: str) -> tuple[float, int, list]:

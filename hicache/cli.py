@@ -25,7 +25,7 @@ from hicache.scenarios.trace_stats import trace_stats
 from hicache.scenarios.traces import TraceError, read_trace
 
 if TYPE_CHECKING:  # the runtime imports torch: only where a node or a replay runs
-    from hicache.runtime.model import TinyConfig
+    from hicache.runtime.model.llama import TinyConfig
     from hicache.runtime.nodes import DecodeOptions
 
 DEMO_SCENARIO = Path(_scenarios_init).parent / "demo.toml"
@@ -40,7 +40,7 @@ class _Parser(argparse.ArgumentParser):
 
 PORT = int_in(0, 65535)  # 0: the system picks a free port (the node prints it when ready)
 
-# What a node's peers may hold (`hicache.runtime.limits.Limits`; defaults as there).
+# What a node's peers may hold (`hicache.runtime.security.limits.Limits`; defaults as there).
 LIMIT_FLAGS: tuple[tuple[str, Callable[[str], object], object, str, str], ...] = (
     ("--max-connections", int_in(1), 256, "N", "connections served at once"),
     (
@@ -73,7 +73,7 @@ def mmap_threshold(text: str) -> int:
 
 def host_port(text: str) -> tuple[str, int]:
     """An argparse `type` for --prefill: HOST:PORT with a port the node can connect to."""
-    from hicache.runtime.prefill_address import parse
+    from hicache.runtime.wire.prefill_address import parse
 
     try:
         return parse(text)  # [::1]:4464 too
@@ -708,7 +708,7 @@ def run_node(args: argparse.Namespace) -> int:
     if getattr(args, "tp_size", 1) > 1:  # before torch loads: a lost rank is our one line, not a C++ trace
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     from hicache.runtime import nodes
-    from hicache.runtime.model import TinyConfig
+    from hicache.runtime.model.llama import TinyConfig
 
     _logging(args.log_level)
     if args.threads is not None:
@@ -746,7 +746,7 @@ def run_node(args: argparse.Namespace) -> int:
 
 def _decode_options(args: argparse.Namespace, model: TinyConfig | str) -> DecodeOptions:
     from hicache.runtime import nodes
-    from hicache.runtime.prefill_address import PrefillAddress
+    from hicache.runtime.wire.prefill_address import PrefillAddress
 
     if args.prefill is not None:
         prefill = PrefillAddress(fixed=args.prefill)
@@ -783,7 +783,7 @@ def _decode_options(args: argparse.Namespace, model: TinyConfig | str) -> Decode
 
 
 def _limits(args: argparse.Namespace):
-    from hicache.runtime.limits import Limits
+    from hicache.runtime.security.limits import Limits
 
     return Limits(
         max_connections=args.max_connections,
@@ -820,8 +820,8 @@ def run_runtime(args: argparse.Namespace) -> int:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from hicache.runtime.api_keys import ApiKeyError
     from hicache.runtime.nodes import sole
+    from hicache.runtime.security.api_keys import ApiKeyError
     from hicache.runtime.serve import ServeError, ServeOptions, load_tokenizer, main
 
     if args.export_tokenizer is not None:

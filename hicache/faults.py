@@ -19,7 +19,7 @@ Operation kinds (`OPS`) and the faults that apply to each (`APPLIES`):
 | `timer`     | a prefetch deadline, a retry backoff | error (fires at once), delay (fires late) |
 
 What each fault does to each operation is the drivers' part (`hicache.sim.faults`,
-`hicache.runtime.faults`); the table in docs/reliability.md states it. This module is pure data
+`hicache.runtime.decode.faults`); the table in docs/reliability.md states it. This module is pure data
 and arithmetic: both drivers import it.
 """
 

@@ -31,25 +31,25 @@ import trio
 
 from hicache.core.config import DecodeConfig
 from hicache.faults import FaultSpec
-from hicache.runtime import protocol
-from hicache.runtime.api_keys import ApiKeyError, ApiKeys
-from hicache.runtime.cluster_secret import ClusterSecret, UntrustedSecret
-from hicache.runtime.decode_node import DecodeService
-from hicache.runtime.faults import FaultyStore
-from hicache.runtime.kv_layout import KVLayout
-from hicache.runtime.limits import Limits
+from hicache.runtime.decode.decode_node import DecodeService
+from hicache.runtime.decode.faults import FaultyStore
+from hicache.runtime.kv.kv_layout import KVLayout
 from hicache.runtime.malloc_tuning import DEFAULT_MMAP_THRESHOLD, pin_mmap_threshold
-from hicache.runtime.model import LlamaConfig, LlamaModel, TinyConfig, TinyModel
-from hicache.runtime.peer_auth import AuthError
-from hicache.runtime.prefill_address import PrefillAddress, advertised, write
-from hicache.runtime.prefill_cache import DEFAULT_CACHE_BYTES, Speeds
-from hicache.runtime.prefill_node import DEFAULT_LAYER_GROUPS, PrefillNode
+from hicache.runtime.model.llama import LlamaConfig, LlamaModel, TinyConfig, TinyModel
+from hicache.runtime.model.tp_model import check_split, shard_model
+from hicache.runtime.prefill.prefill_cache import DEFAULT_CACHE_BYTES, Speeds
+from hicache.runtime.prefill.prefill_node import DEFAULT_LAYER_GROUPS, PrefillNode
+from hicache.runtime.security.api_keys import ApiKeyError, ApiKeys
+from hicache.runtime.security.cluster_secret import ClusterSecret, UntrustedSecret
+from hicache.runtime.security.limits import Limits
+from hicache.runtime.security.peer_auth import AuthError
 from hicache.runtime.storage.file_store import FileStore
 from hicache.runtime.storage.memory_store import MemoryStore
-from hicache.runtime.tp_group import TPFailure, TPGroup
-from hicache.runtime.tp_model import check_split, shard_model
+from hicache.runtime.tp.tp_group import TPFailure, TPGroup
 from hicache.runtime.transfer.base import TransferEngine
 from hicache.runtime.transfer.tcp import TcpEngine
+from hicache.runtime.wire import protocol
+from hicache.runtime.wire.prefill_address import PrefillAddress, advertised, write
 
 ENGINES = ("nixl", "tcp")
 # What bind() says when the address cannot be listened on (rather than a peer being unreachable).
@@ -107,7 +107,7 @@ def build_model(spec: ModelSpec) -> tuple[LlamaModel, str]:
     two models never share a key). A model that cannot be loaded is a `StartupError`."""
     if isinstance(spec, TinyConfig):
         return TinyModel(spec), "tiny"
-    from hicache.runtime.llm.loader import load_model
+    from hicache.runtime.model.loader import load_model
 
     try:
         loaded = load_model(None if spec == "default" else Path(spec))

@@ -23,8 +23,8 @@ import numpy as np
 import trio
 
 from hicache.results import RequestRecord
-from hicache.runtime.client import DecodeClient
 from hicache.runtime.verify import KVLedger
+from hicache.runtime.wire.client import DecodeClient
 from hicache.scenarios.workload import WorkItem
 
 

@@ -21,13 +21,13 @@ from tqdm import tqdm
 
 from hicache.results import format_table, summarize, write_requests_csv, write_summary_json
 from hicache.runtime import cache_flags
-from hicache.runtime.client import DecodeClient
 from hicache.runtime.launch import NodeFailed, NodeProcess, start_node
-from hicache.runtime.model import TinyConfig, TinyModel
+from hicache.runtime.model.llama import TinyConfig, TinyModel
 from hicache.runtime.nodes import layout_for
-from hicache.runtime.protocol import ProtocolError
 from hicache.runtime.replay import Replayer, ReplayResult
 from hicache.runtime.verify import KVLedger
+from hicache.runtime.wire.client import DecodeClient
+from hicache.runtime.wire.protocol import ProtocolError
 from hicache.scenarios.build import build_workload
 from hicache.scenarios.scenario import Scenario
 from hicache.scenarios.workload import WorkItem

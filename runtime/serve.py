@@ -26,17 +26,17 @@ import attrs
 import trio
 
 from hicache.core.router import Router
-from hicache.runtime import protocol
-from hicache.runtime.api_keys import ApiKeys
-from hicache.runtime.client import DecodeClient
 from hicache.runtime.launch import NodeFailed, NodeProcess, start_node
-from hicache.runtime.llm.tokenizer import ChatTokenizer
+from hicache.runtime.model.tokenizer import ChatTokenizer
+from hicache.runtime.security.api_keys import ApiKeys
 from hicache.runtime.serving.app import create_app
 from hicache.runtime.serving.backend import ModelInfo
 from hicache.runtime.serving.node_backend import NodeBackend
 from hicache.runtime.serving.routed_backend import RoutedBackend
 from hicache.runtime.serving.server import serve_http
 from hicache.runtime.serving.trace_recorder import RecordingError, TraceRecorder, config_header
+from hicache.runtime.wire import protocol
+from hicache.runtime.wire.client import DecodeClient
 
 log = logging.getLogger("hicache.runtime.serve")
 
@@ -88,14 +88,14 @@ class Codec:
 
 def load_tokenizer(model: str) -> tuple[ChatTokenizer, str]:
     """The tokenizer (and chat template) of `model`, read without loading its weights."""
-    from hicache.runtime.llm.loader import default_model_path
+    from hicache.runtime.model.loader import default_model_path
 
     path = default_model_path() if model == "default" else Path(model)
     if path.is_dir():
         return ChatTokenizer.from_dir(path), path.name
     import gguf
 
-    from hicache.runtime.llm.gguf_file import read_metadata
+    from hicache.runtime.model.gguf_file import read_metadata
 
     meta = read_metadata(gguf.GGUFReader(path))
     # The file's name without its quantisation ("SmolLM2-135M-Instruct.Q4_1.gguf"): what users
@@ -177,7 +177,7 @@ async def _recorder(
     router = opts.router if len(decode_at) > 1 else None
     prefill_cache = None  # prefill nodes started elsewhere: their cache is theirs to say
     if not opts.decode and not opts.prefill:  # started here, with the prefill cache's default
-        from hicache.runtime.prefill_cache import DEFAULT_CACHE_BYTES  # torch: only when recording
+        from hicache.runtime.prefill.prefill_cache import DEFAULT_CACHE_BYTES  # torch: only when recording
 
         prefill_cache = DEFAULT_CACHE_BYTES
     header = config_header(configs, prefill_nodes=prefill, router=router, prefill_cache_bytes=prefill_cache)

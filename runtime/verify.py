@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from hicache.core.pages import namespace_seed, page_keys
-from hicache.runtime.model import TinyModel
+from hicache.runtime.model.llama import TinyModel
 
 REL_TOL = 1e-9
 

@@ -1,7 +1,7 @@
 """Faults in the simulator: a `FaultSpec` applied to the commands of one decode node.
 
 The decode driver asks this object, command by command, how the operation goes; what a fault
-does is modelled on what the runtime does for real (`hicache.runtime.faults`):
+does is modelled on what the runtime does for real (`hicache.runtime.decode.faults`):
 
 - `l3_exists`: error -> the query answers 0 hits; partial -> fewer hits than storage holds.
 - `l3_get`: error -> no page arrives; partial -> a prefix arrives; corrupt -> one stored page goes

@@ -108,7 +108,7 @@ CACHE_POLICY_KEYS = (
     "transfer_backoff_max_s",
     "retract_policy",
 )
-# The runtime's prefill cache holds 512 MiB of KV by default (runtime/prefill_cache.py): what a
+# The runtime's prefill cache holds 512 MiB of KV by default (runtime/prefill/prefill_cache.py): what a
 # header without `prefill_cache_bytes` (older, or a prefill node the front door did not start)
 # is taken to mean. The twin's one-GPU node has an H100's 80 GB of HBM.
 PREFILL_CACHE_BYTES = 512 << 20

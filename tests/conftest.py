@@ -9,6 +9,25 @@ A property test that sets its own example count does so through `builders.exampl
 scales `n` by the same profile (twenty times under "long"); the profile fills in everything a
 test does not set. `pytest --hypothesis-profile NAME` also works
 and wins over the variable (hypothesis' plugin loads it after this file).
+
+Test tiers. Three markers say why a test is left out of the fast tier: `process` (it starts OS
+processes: nodes, `hicache serve`, a CLI run in a child Python, a child pytest, Ray or a process
+pool), `real_model` (it loads the real default model or transformers) and `slow` (anything else
+taking more than a second or two on the project's 2-core machine). `pytest --quick` (what
+`./dev.sh quick` runs) deselects every test carrying one of them; plain `pytest` (`./dev.sh test`,
+CI) runs everything. A test marked `plain_python` counts as `process` while the compiled build is
+in use, since it then runs in a child pytest (below).
+
+A file whose tests all belong to a slow tier says so once, with a module-level `pytestmark`, and
+`--quick` does not even import it: `pytest_ignore_collect` reads that one statement from the
+source (no import), so the quick tier's collection pays for none of the file's imports (the
+server stack, Ray, hypercorn). Why this and not a table of files here: the marker stays beside the
+tests it describes, pytest applies the very same marks when it does import the file (`-m` and
+`--quick` agree on every test), and a pre-check that cannot read a file's marks only costs time,
+never a test: the file is imported and its tests deselected one by one. Single tests in mixed
+files carry a decorator. Torch itself is imported by the runtime modules the fast runtime tests
+exercise (about 2 s), so it stays; transformers and Ray are imported only inside the tests that
+need them.
 """
 
 from __future__ import annotations
@@ -16,9 +35,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
+from tiers import TIERS, module_tiers
 
 from hicache import compiled
 
@@ -47,12 +68,56 @@ settings.load_profile(_profile_name())
 os.environ.setdefault("HICACHE_CLUSTER_SECRET", "hicache-tests-" + os.urandom(8).hex())
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--quick",
+        action="store_true",
+        help="the fast tier: leave out tests marked " + ", ".join(TIERS) + " (./dev.sh quick)",
+    )
+
+
+_SKIPPED_KEY = pytest.StashKey[list[str]]()  # the files --quick did not import
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    if not config.getoption("quick") or collection_path.suffix != ".py":
+        return None
+    if not collection_path.name.startswith("test_") or not module_tiers(collection_path):
+        return None
+    config.stash.setdefault(_SKIPPED_KEY, []).append(collection_path.name)
+    return True
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if compiled.active():
+        for item in items:
+            if item.get_closest_marker("plain_python") is not None:
+                item.add_marker("process")
+    if not config.getoption("quick"):
+        return
+    keep = [item for item in items if not any(item.get_closest_marker(t) for t in TIERS)]
+    if len(keep) < len(items):
+        kept = set(map(id, keep))
+        config.hook.pytest_deselected(items=[item for item in items if id(item) not in kept])
+        items[:] = keep
+
+
+def pytest_report_collectionfinish(config: pytest.Config) -> str | None:
+    if not config.getoption("quick"):
+        return None
+    skipped = sorted(config.stash.get(_SKIPPED_KEY, []))
+    return f"--quick: {len(skipped)} files left unimported (marked as a whole): {', '.join(skipped)}"
+
+
 # A test marked `plain_python` spies on the core or the simulator by replacing a method on an
 # instance, which the compiled build's native classes do not allow (`hicache/compiled.py`).
 # With the build in use, such a test runs in a child pytest with HICACHE_PURE=1, and its
 # outcome is the child's.
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "plain_python: run this test on the plain-Python modules")
+    for name, what in TIERS.items():
+        config.addinivalue_line("markers", f"{name}: {what} (left out by --quick)")
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -22,8 +22,8 @@ from pathlib import Path
 import numpy as np
 import trio
 
-from hicache.runtime.kv_layout import KVLayout
-from hicache.runtime.kv_pool import KVPool
+from hicache.runtime.kv.kv_layout import KVLayout
+from hicache.runtime.kv.kv_pool import KVPool
 from hicache.runtime.storage.file_store import FileStore
 
 # 256 KiB pages: writing one takes long enough that a kill often lands inside it.

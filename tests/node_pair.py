@@ -19,16 +19,17 @@ import trio
 
 from hicache.core.config import DecodeConfig
 from hicache.faults import FaultSpec
-from hicache.runtime import peer_auth, protocol
-from hicache.runtime.client import DecodeClient
-from hicache.runtime.cluster_secret import ClusterSecret
-from hicache.runtime.decode_node import DecodeService
-from hicache.runtime.model import TinyConfig, TinyModel
+from hicache.runtime.decode.decode_node import DecodeService
+from hicache.runtime.model.llama import TinyConfig, TinyModel
 from hicache.runtime.nodes import layout_for
-from hicache.runtime.prefill_node import PrefillNode
+from hicache.runtime.prefill.prefill_node import PrefillNode
+from hicache.runtime.security import peer_auth
+from hicache.runtime.security.cluster_secret import ClusterSecret
 from hicache.runtime.storage.file_store import FileStore
 from hicache.runtime.transfer.tcp import TcpEngine
 from hicache.runtime.verify import KVLedger
+from hicache.runtime.wire import protocol
+from hicache.runtime.wire.client import DecodeClient
 
 PAGE = 16
 

@@ -16,16 +16,16 @@ import pytest
 import trio
 from node_pair import GUARD_S, PAGE, prompt, small_core
 
-from hicache.runtime import protocol
-from hicache.runtime.api_keys import ApiKeyError, ApiKeys, Principal, digest
-from hicache.runtime.client import DecodeClient
-from hicache.runtime.decode_node import DecodeService
-from hicache.runtime.model import TinyConfig, TinyModel
+from hicache.runtime.decode.decode_node import DecodeService
+from hicache.runtime.model.llama import TinyConfig, TinyModel
 from hicache.runtime.nodes import layout_for
-from hicache.runtime.prefill_node import PrefillNode
+from hicache.runtime.prefill.prefill_node import PrefillNode
+from hicache.runtime.security.api_keys import ApiKeyError, ApiKeys, Principal, digest
 from hicache.runtime.storage.memory_store import MemoryStore
 from hicache.runtime.transfer.tcp import TcpEngine
 from hicache.runtime.verify import KVLedger
+from hicache.runtime.wire import protocol
+from hicache.runtime.wire.client import DecodeClient
 
 ACME = "sk-acme-0123456789abcdef"
 GLOBEX = "sk-globex-0123456789abcdef"
@@ -102,6 +102,7 @@ async def keyed_node(keys: ApiKeys | None) -> AsyncIterator[tuple[int, KVLedger,
         nursery.cancel_scope.cancel()
 
 
+@pytest.mark.slow
 async def test_a_node_with_keys_serves_only_authenticated_clients() -> None:
     async with keyed_node(KEYS) as (port, _, _):
         anonymous = await DecodeClient.connect("127.0.0.1", port)
@@ -114,6 +115,7 @@ async def test_a_node_with_keys_serves_only_authenticated_clients() -> None:
             await DecodeClient.connect("127.0.0.1", port, api_key=ACME[:-1] + "?")
 
 
+@pytest.mark.slow
 async def test_the_tenant_is_the_keys_and_admin_operations_need_an_admin_key() -> None:
     async with keyed_node(KEYS) as (port, ledger, prefill):
         acme = await DecodeClient.connect("127.0.0.1", port, api_key=ACME)
@@ -146,6 +148,7 @@ async def test_the_tenant_is_the_keys_and_admin_operations_need_an_admin_key() -
 # ============================================================================ timing
 
 
+@pytest.mark.slow
 async def test_another_tenants_prompt_is_no_faster_than_a_new_one() -> None:
     """The side channel, measured: tenant A sends a prompt; tenant B then sends the same prompt
     (`cross`) or a new one of the same length (`fresh`), in random order, eight of each. If the

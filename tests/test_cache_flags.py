@@ -18,7 +18,7 @@ from hicache.cli import build_parser
 from hicache.core.config import PREFETCH_POLICIES, PROMISE_POLICIES, RETRACT_POLICIES
 from hicache.core.eviction import EVICTION_POLICIES
 from hicache.runtime import cache_flags
-from hicache.runtime.model import TinyConfig, TinyModel
+from hicache.runtime.model.llama import TinyConfig, TinyModel
 from hicache.runtime.nodes import layout_for
 from hicache.runtime.runner import node_args
 from hicache.scenarios.scenario import CacheSpec, load_scenario
@@ -181,6 +181,7 @@ def test_sglangs_extra_config_sets_the_prefetch_settings_unless_a_flag_does(tmp_
         cache_flags.decode_config(bad)
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(
     ("flags", "expected"),
     [
@@ -215,6 +216,7 @@ def test_serve_passes_its_cache_flags_on_to_the_decode_node() -> None:
     assert cache_flags.forwarded(build_parser().parse_args(["serve"])) == []
 
 
+@pytest.mark.process
 def test_serve_refuses_a_tp_size_for_a_node_it_does_not_start() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "hicache", "serve", "--decode", "127.0.0.1:1", "--tp-size", "2"],
@@ -226,6 +228,7 @@ def test_serve_refuses_a_tp_size_for_a_node_it_does_not_start() -> None:
     assert "--tp-size: sets the decode node started here" in done.stderr
 
 
+@pytest.mark.process
 def test_serve_refuses_cache_flags_for_a_node_it_does_not_start() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "hicache", "serve", "--decode", "127.0.0.1:1", "--l1-pages", "5"],
@@ -237,6 +240,7 @@ def test_serve_refuses_cache_flags_for_a_node_it_does_not_start() -> None:
     assert "--l1-pages: sets the decode node started here" in done.stderr
 
 
+@pytest.mark.process
 def test_help_states_choices_and_defaults() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "hicache", "node", "decode", "--help"],

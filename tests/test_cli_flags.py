@@ -113,6 +113,7 @@ BAD = [
 ]
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(("command", "flag", "value"), BAD, ids=[f"{c[1]}{f}={v}" for c, f, v in BAD])
 def test_a_bad_flag_value_is_one_line_naming_it_and_exit_2(
     command: list[str], flag: str, value: str, a_file: Path, scenario: Path, tmp_path: Path
@@ -155,6 +156,7 @@ def taken_port() -> Iterator[int]:
         yield taken.getsockname()[1]
 
 
+@pytest.mark.process
 def test_a_prefill_node_on_a_port_in_use_says_so_in_one_line(tmp_path: Path) -> None:
     with taken_port() as port:
         done = hicache(*PREFILL, "--port", str(port))
@@ -164,6 +166,7 @@ def test_a_prefill_node_on_a_port_in_use_says_so_in_one_line(tmp_path: Path) -> 
     assert done.stdout == ""  # never said it was ready
 
 
+@pytest.mark.process
 def test_a_decode_node_on_a_port_in_use_names_the_port_not_the_prefill(tmp_path: Path) -> None:
     with taken_port() as port:
         done = hicache(*DECODE, "--port", str(port))
@@ -172,6 +175,7 @@ def test_a_decode_node_on_a_port_in_use_names_the_port_not_the_prefill(tmp_path:
     assert f"--port {port}" in line and "in use" in line
 
 
+@pytest.mark.process
 def test_a_decode_node_whose_prefill_is_unreachable_says_so_in_one_line() -> None:
     port = free_port()
     done = hicache("node", "decode", "--engine", "tcp", "--prefill", f"127.0.0.1:{port}")
@@ -181,6 +185,7 @@ def test_a_decode_node_whose_prefill_is_unreachable_says_so_in_one_line() -> Non
     assert done.stdout == ""
 
 
+@pytest.mark.process
 @pytest.mark.skipif(importlib.util.find_spec("nixl") is None, reason="nixl is not installed")
 def test_a_decode_node_on_another_engine_than_its_prefill_is_refused_in_one_line(tmp_path: Path) -> None:
     with prefill_node(*PREFILL) as (prefill, port):
@@ -193,6 +198,7 @@ def test_a_decode_node_on_another_engine_than_its_prefill_is_refused_in_one_line
     assert "engine differs: 'tcp' here, 'nixl' at the decode node" in one_line(prefill_err)
 
 
+@pytest.mark.process
 def test_a_runtime_replay_leaves_no_temporary_l3_folder(scenario: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     done = hicache(
@@ -203,6 +209,7 @@ def test_a_runtime_replay_leaves_no_temporary_l3_folder(scenario: Path, tmp_path
     assert not list(out.glob("l3-*"))
 
 
+@pytest.mark.process
 def test_ctrl_c_stops_a_runtime_replay_keeps_the_finished_requests_and_exits_130(
     scenario: Path, tmp_path: Path
 ) -> None:
@@ -237,6 +244,7 @@ def test_ctrl_c_stops_a_runtime_replay_keeps_the_finished_requests_and_exits_130
     assert not list(out.glob("l3-*"))
 
 
+@pytest.mark.process
 def test_nodes_with_different_page_sizes_refuse_each_other_at_connect() -> None:
     """Before the connect check, a decode node at 32 tokens a page against a prefill node at 16
     said it was ready and then failed every request."""
@@ -276,6 +284,7 @@ def test_the_limit_flags_reach_the_nodes_max_tokens_and_backoff_too() -> None:
     assert (cfg.transfer_retries, cfg.transfer_backoff_s, cfg.transfer_backoff_max_s) == (3, 0.5, 2.0)
 
 
+@pytest.mark.process
 def test_a_decode_node_needs_exactly_one_way_to_find_its_prefill(tmp_path: Path) -> None:
     neither = hicache("node", "decode", "--engine", "tcp")
     both = hicache(*DECODE, "--prefill-file", str(tmp_path / "f"))
@@ -285,6 +294,7 @@ def test_a_decode_node_needs_exactly_one_way_to_find_its_prefill(tmp_path: Path)
     assert "--prefill-file: not allowed with argument --prefill" in both.stderr
 
 
+@pytest.mark.process
 def test_an_unusable_secret_or_key_file_is_one_line_naming_it(tmp_path: Path) -> None:
     secret = tmp_path / "secret"
     secret.write_text("s3cret-s3cret")
@@ -304,6 +314,7 @@ def test_an_unusable_secret_or_key_file_is_one_line_naming_it(tmp_path: Path) ->
     assert f"--api-keys {keys}: [[key]] #1: field 'key' must be a string of at least 16" in line
 
 
+@pytest.mark.process
 def test_nodes_with_different_secrets_refuse_each_other_at_connect(tmp_path: Path) -> None:
     ours, theirs = tmp_path / "ours", tmp_path / "theirs"
     for path, text in ((ours, "ours-ours-ours"), (theirs, "theirs-theirs")):

@@ -44,12 +44,14 @@ def _probe(**env: str) -> list[bool]:
     return json.loads(run.stdout)
 
 
+@pytest.mark.process
 @needs_build
 def test_the_build_of_these_sources_is_used_and_HICACHE_PURE_turns_it_off() -> None:
     assert _probe() == [True, True, True]
     assert _probe(HICACHE_PURE="1") == [False, False, False]
 
 
+@pytest.mark.process
 @needs_build
 def test_a_build_of_other_sources_is_never_used(tmp_path: Path) -> None:
     build = compiled.current_build()
@@ -62,6 +64,7 @@ def test_a_build_of_other_sources_is_never_used(tmp_path: Path) -> None:
     assert _probe(HICACHE_COMPILED_DIR=str(tmp_path)) == [True, True, True]
 
 
+@pytest.mark.process
 @needs_build
 def test_a_build_missing_a_module_is_not_used(tmp_path: Path) -> None:
     build = compiled.current_build()
@@ -110,6 +113,7 @@ def _sim(out: Path, **env: str) -> tuple[dict, list[dict]]:
     return summary, rows
 
 
+@pytest.mark.slow
 @needs_build
 def test_a_replay_decides_the_same_compiled_and_in_plain_python(tmp_path: Path) -> None:
     fast, fast_rows = _sim(tmp_path / "compiled")

@@ -31,13 +31,13 @@ import pytest
 import trio
 from crash_writer import BATCH, LAYOUT, key_of, page_of
 
-from hicache.runtime import protocol
-from hicache.runtime.client import DecodeClient
-from hicache.runtime.kv_pool import KVPool
+from hicache.runtime.kv.kv_pool import KVPool
 from hicache.runtime.launch import NodeProcess, start_node
-from hicache.runtime.model import TinyConfig, TinyModel
+from hicache.runtime.model.llama import TinyConfig, TinyModel
 from hicache.runtime.storage.file_store import KEY_FILE, SUFFIX, FileStore
 from hicache.runtime.verify import KVLedger
+from hicache.runtime.wire import protocol
+from hicache.runtime.wire.client import DecodeClient
 
 WRITER = Path(__file__).with_name("crash_writer.py")
 ROUNDS = 6
@@ -80,6 +80,7 @@ async def check_round(store: FileStore, root: Path, first: int) -> int:
     return len(indices)
 
 
+@pytest.mark.process
 async def test_a_writer_killed_at_random_moments_leaves_whole_pages_or_none(tmp_path: Path) -> None:
     root = tmp_path / "l3"
     rng = random.Random(20240611)
@@ -156,6 +157,7 @@ class Conversation:
         return prompt + reply["tokens"] + rng.integers(0, 500, NEW_TOKENS).tolist()
 
 
+@pytest.mark.process
 async def test_a_decode_node_killed_while_storing_restarts_and_serves_exact_kv(tmp_path: Path) -> None:
     """Every turn's prompt length is 3 or 11 mod 16 and outputs are 8 tokens, so the KV pages of a
     turn that was in flight at the kill (whose reply never came, so the ledger does not know

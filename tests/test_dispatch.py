@@ -50,7 +50,7 @@ def test_the_simulators_decode_driver_handles_every_command() -> None:
 def test_the_runtimes_decode_service_handles_every_command() -> None:
     """Read from the source (building a service needs a model, storage and a transfer engine;
     the runtime's end-to-end tests build one, and its `Dispatcher` checks the table there too)."""
-    tree = ast.parse((ROOT / "runtime" / "decode_node.py").read_text(encoding="utf-8"))
+    tree = ast.parse((ROOT / "runtime" / "decode" / "decode_node.py").read_text(encoding="utf-8"))
     (fn,) = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "_handlers"]
     (table,) = [n for n in ast.walk(fn) if isinstance(n, ast.Dict)]
     named = {ast.unparse(k).split(".")[-1] for k in table.keys if k is not None}

@@ -22,14 +22,14 @@ from node_pair import PAGE, assert_nothing_held, node_pair, prompt, turn
 
 from hicache.core.config import DecodeConfig
 from hicache.faults import APPLIES, OPS, Decision, FaultSpec, FaultSpecError, decide, uniforms
-from hicache.runtime.client import DecodeClient
-from hicache.runtime.decode_node import DecodeService
-from hicache.runtime.model import TinyConfig, TinyModel
+from hicache.runtime.decode.decode_node import DecodeService
+from hicache.runtime.model.llama import TinyConfig, TinyModel
 from hicache.runtime.nodes import layout_for
 from hicache.runtime.storage.file_store import FileStore
 from hicache.runtime.storage.memory_store import MemoryStore
 from hicache.runtime.transfer.tcp import TcpEngine
 from hicache.runtime.verify import KVLedger
+from hicache.runtime.wire.client import DecodeClient
 from hicache.scenarios.build import build_workload
 from hicache.scenarios.scenario import ScenarioError, load_scenario, parse_scenario
 from hicache.sim.cluster import Cluster
@@ -180,6 +180,7 @@ JSON = st.recursive(
 )
 
 
+@pytest.mark.slow
 @settings(max_examples=examples(300), deadline=None)
 @given(
     st.dictionaries(st.sampled_from([*OPS, "seed", "zz"]), JSON, max_size=3)

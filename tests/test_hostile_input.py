@@ -40,16 +40,16 @@ from node_pair import exchange, stand_in_hello
 from transfer_peer import recv_exactly, wire_accept
 
 from hicache.core.config import DecodeConfig
-from hicache.runtime import protocol
-from hicache.runtime.decode_node import DecodeService
-from hicache.runtime.kv_layout import KVLayout
-from hicache.runtime.kv_pool import KVPool
-from hicache.runtime.model import TinyConfig, TinyModel
+from hicache.runtime.decode.decode_node import DecodeService
+from hicache.runtime.kv.kv_layout import KVLayout
+from hicache.runtime.kv.kv_pool import KVPool
+from hicache.runtime.model.llama import TinyConfig, TinyModel
 from hicache.runtime.nodes import layout_for
 from hicache.runtime.storage import FileStore, MemoryStore
 from hicache.runtime.storage.base import KEY_LIMIT, key_value
 from hicache.runtime.transfer import MemoryRegion, PeerInfo, TcpEngine, XferState
 from hicache.runtime.transfer.tcp import HEADER, MAGIC, VERSION, Msg, encode_header
+from hicache.runtime.wire import protocol
 from hicache.scenarios.scenario import Scenario, ScenarioError, load_scenario
 from hicache.scenarios.traces import (
     MAX_TOKENS,
@@ -132,6 +132,7 @@ def mooncake_lines(draw: st.DrawFn) -> tuple[str | bytes, bool]:
     return (text if cut is None else text[:cut]), cut is None
 
 
+@pytest.mark.slow
 @fuzz(300)
 @given(line=mooncake_lines(), before=st.integers(0, 3), after=st.booleans())
 def test_mooncake_reads_or_names_the_line(line: tuple[str | bytes, bool], before: int, after: bool) -> None:
@@ -189,6 +190,7 @@ AZURE_CELLS = st.one_of(
 )
 
 
+@pytest.mark.slow
 @fuzz(200)
 @given(
     cells=st.lists(AZURE_CELLS, min_size=0, max_size=4),
@@ -347,6 +349,7 @@ def toml_files(draw: st.DrawFn) -> bytes:
     return text.encode("utf-8", "surrogatepass")
 
 
+@pytest.mark.slow
 @fuzz(300)
 @given(raw=toml_files())
 def test_any_scenario_file_loads_or_is_a_scenario_error_naming_the_file(raw: bytes) -> None:
@@ -421,6 +424,7 @@ def whole_frame(body: bytes) -> bytes:
     return struct.pack("<4sBIQ", protocol.MAGIC, protocol.VERSION, len(body), 0) + body
 
 
+@pytest.mark.slow
 @fuzz(300)
 @given(stream=control_streams(), chunk=st.integers(1, 64), trailing=st.booleans())
 async def test_any_byte_stream_gives_frames_eof_or_a_protocol_error(
@@ -641,6 +645,7 @@ def target_replies(draw: st.DrawFn) -> tuple[str, int, bytes, dict[str, Any]]:
 VALID_HELLO = b"the valid handshake"  # the target answers HELLO as a real engine would
 
 
+@pytest.mark.slow
 @fuzz(80)
 @given(reply=target_replies())
 async def test_tcp_initiator_survives_any_answer_from_its_target(
@@ -770,6 +775,7 @@ def valid_key(key: object) -> int | None:
     return None
 
 
+@pytest.mark.slow
 @fuzz(300)
 @given(key=HOSTILE_KEYS)
 def test_only_documented_keys_are_keys_and_they_stay_under_the_root(key: object) -> None:

@@ -44,17 +44,17 @@ from node_pair import (
 )
 
 from hicache.core.config import DecodeConfig
-from hicache.runtime import compat, protocol
-from hicache.runtime.client import DecodeClient
-from hicache.runtime.cluster_secret import ClusterSecret
-from hicache.runtime.decode_node import DecodeService
-from hicache.runtime.limits import Gate, Limits
-from hicache.runtime.model import TinyConfig, TinyModel
+from hicache.runtime.decode.decode_node import DecodeService
+from hicache.runtime.model.llama import TinyConfig, TinyModel
 from hicache.runtime.nodes import layout_for
-from hicache.runtime.prefill_node import PrefillNode
+from hicache.runtime.prefill.prefill_node import PrefillNode
+from hicache.runtime.security.cluster_secret import ClusterSecret
+from hicache.runtime.security.limits import Gate, Limits
 from hicache.runtime.storage.memory_store import MemoryStore
 from hicache.runtime.transfer.tcp import TcpEngine
 from hicache.runtime.verify import KVLedger
+from hicache.runtime.wire import compat, protocol
+from hicache.runtime.wire.client import DecodeClient
 
 MiB = 1 << 20
 SLACK = 128 * MiB  # for the allocator: 1 MiB reads and growing buffers fragment the heap
@@ -324,6 +324,7 @@ async def test_a_reader_cuts_off_a_stalled_frame_and_an_idle_connection(autojump
         assert trio.current_time() - start == pytest.approx(limit)  # virtual seconds: when, not how fast
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("node", NODES)
 async def test_stalled_frames_and_idle_connections_are_cut_off(
     node: str, caplog: pytest.LogCaptureFixture
@@ -355,6 +356,7 @@ async def test_stalled_frames_and_idle_connections_are_cut_off(
         assert gate.connections <= before and gate.in_flight == 0
 
 
+@pytest.mark.slow
 async def test_connections_idle_past_the_timeout_are_closed_and_clients_reconnect(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -378,6 +380,7 @@ def logged_info(caplog: pytest.LogCaptureFixture, node: str, text: str) -> bool:
     return any(r.name == f"hicache.runtime.{node}" and text in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("node", NODES)
 async def test_frame_bytes_in_flight_are_capped(node: str, caplog: pytest.LogCaptureFixture) -> None:
     """Finding 5: 40 connections each announce 16 MiB and send 12 MiB of it, then wait. With the
@@ -635,6 +638,7 @@ def batches(draw: st.DrawFn, node: str) -> list[tuple[bytes, bool]]:
     return batch
 
 
+@pytest.mark.slow
 @settings(
     max_examples=200,
     deadline=None,

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 from serving_fakes import EOS, ByteCodec, FakeBackend
 
-from hicache.runtime.api_keys import ApiKeys
+from hicache.runtime.security.api_keys import ApiKeys
 from hicache.runtime.serving import create_app, serve_http
 from hicache.runtime.serving.detokenize import IncrementalDetokenizer
 from hicache.runtime.serving.stops import StopStrings

@@ -100,10 +100,11 @@ class StoreAgainstDict(RuleBasedStateMachine):
             assert table.order() == list(self.model.keys)  # eviction order: least recent first
 
 
-TestStoreAgainstDict = StoreAgainstDict.TestCase
+TestStoreAgainstDict = pytest.mark.slow(StoreAgainstDict.TestCase)
 TestStoreAgainstDict.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 
 
+@pytest.mark.slow
 def test_growth_across_resizes_keeps_every_key() -> None:
     rng = random.Random(3)
     keys = EXTREMES + [rng.getrandbits(64) for _ in range(60_000)]

@@ -9,6 +9,10 @@ Bottom to top, each layer imports only itself and the layers below it:
 (c) the drivers sim/ and runtime/: never each other, never the CLI; sim/ never trio or torch;
 (d) hicache/cli.py and hicache/__main__.py: the only modules that may import the drivers.
 
+Inside runtime/, packages by job, bottom to top (RUNTIME_PACKAGES): each imports itself and the
+packages its row names, never one above it, so there is no circle; the modules at runtime/'s top
+level wire the packages together, may import any of them, and no package imports them.
+
 Everywhere: no relative imports, and no bare sim/runtime/scenarios (they install as hicache.*).
 Every .py file under hicache/, sim/, runtime/ and scenarios/ must fall in one of these layers.
 """
@@ -85,6 +89,21 @@ RUNTIME = Rule(
     "runtime/",
     _ban({"hicache.sim"}, "the drivers never import each other") | _NO_CLI | _NO_BARE,
 )
+# runtime/'s packages, bottom to top -> the other runtime packages each may import (what the code
+# imports today). The modules at runtime/'s top level (nodes, serve, runner, ...) may import any
+# package; no package may import them.
+RUNTIME_PACKAGES: dict[str, frozenset[str]] = {
+    "kv": frozenset(),
+    "model": frozenset(),
+    "wire": frozenset({"kv", "model"}),
+    "security": frozenset({"wire"}),
+    "storage": frozenset({"kv", "security"}),
+    "transfer": frozenset({"security"}),
+    "tp": frozenset({"kv", "wire", "transfer"}),
+    "prefill": frozenset({"kv", "model", "wire", "security", "storage", "transfer", "tp"}),
+    "decode": frozenset({"kv", "model", "wire", "security", "storage", "transfer", "tp"}),
+    "serving": frozenset({"wire", "security"}),
+}
 # Glob (relative to the repository root) -> the rule for the files it finds; TOP_FILES are exempt.
 RULES: dict[str, Rule] = {
     "hicache/core/**/*.py": CORE,
@@ -97,7 +116,8 @@ RULES: dict[str, Rule] = {
 
 def imported(path: Path) -> list[tuple[int, str]]:
     """Every module a file imports, anywhere in it; `from hicache import x` counts as hicache.x,
-    since x may be a whole layer (hicache.sim, hicache.faults)."""
+    since x may be a whole layer (hicache.sim, hicache.faults), and `from hicache.runtime import x`
+    as hicache.runtime.x, since x may be one of runtime's packages or top-level modules."""
     tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
     names = []
     for node in ast.walk(tree):
@@ -105,8 +125,8 @@ def imported(path: Path) -> list[tuple[int, str]]:
             names += [(node.lineno, a.name) for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level > 0:
             names.append((node.lineno, "." * node.level + (node.module or "")))
-        elif isinstance(node, ast.ImportFrom) and node.module == "hicache":
-            names += [(node.lineno, f"hicache.{a.name}") for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module in ("hicache", "hicache.runtime"):
+            names += [(node.lineno, f"{node.module}.{a.name}") for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module:
             names.append((node.lineno, node.module))
     return names
@@ -134,6 +154,89 @@ def _breach(rule: Rule, name: str) -> str | None:
     return None
 
 
+def _runtime_package(rel: str) -> str | None:
+    """The runtime package a file lies in (runtime/<package>/...), or None."""
+    parts = rel.split("/")
+    return parts[1] if parts[0] == "runtime" and len(parts) > 2 else None
+
+
+def _package_breach(package: str, name: str) -> str | None:
+    """Why a file of runtime's `package` may not import `name`, or None when it may."""
+    parts = name.split(".")
+    if parts[:2] != ["hicache", "runtime"] or len(parts) < 3 or parts[2] == package:
+        return None
+    where = f"runtime/{package}/"
+    if parts[2] not in RUNTIME_PACKAGES:
+        why = "runtime's top-level modules wire the packages; no package imports them"
+        return f"{where} must not import {name} ({why})"
+    allowed = RUNTIME_PACKAGES[package]
+    if parts[2] not in allowed:
+        may = ", ".join(sorted(allowed)) or "none"
+        return f"{where} must not import {name} (of runtime's packages it may import only: {may})"
+    return None
+
+
+def runtime_package_imports(root: Path) -> dict[tuple[str, str], str]:
+    """(package, package it imports) -> where it first does (file:line), over runtime's packages."""
+    edges: dict[tuple[str, str], str] = {}
+    for path in sorted(root.glob("runtime/*/**/*.py")):
+        rel = path.relative_to(root).as_posix()
+        package = _runtime_package(rel)
+        for line, name in imported(path):
+            parts = name.split(".")
+            other = parts[2] if parts[:2] == ["hicache", "runtime"] and len(parts) > 2 else None
+            if package and other and other != package and (root / "runtime" / other).is_dir():
+                edges.setdefault((package, other), f"{rel}:{line}")
+    return edges
+
+
+def circles(edges: Mapping[tuple[str, str], str]) -> list[str]:
+    """One line per circle of imports between packages (per group of packages that all reach one
+    another), naming a shortest way round and where each of its imports is."""
+    graph: dict[str, set[str]] = {}
+    for a, b in edges:
+        graph.setdefault(a, set()).add(b)
+        graph.setdefault(b, set())
+
+    def reach(start: str) -> set[str]:
+        seen, todo = set(), [start]
+        while todo:
+            for nxt in graph[todo.pop()] - seen:
+                seen.add(nxt)
+                todo.append(nxt)
+        return seen
+
+    reached = {n: reach(n) for n in graph}
+    out, done = [], set()
+    for start in sorted(graph):
+        if start in done or start not in reached[start]:
+            continue
+        group = {n for n in reached[start] if start in reached[n]}
+        done |= group
+        back = {start: start}  # breadth first from start back to start, inside the group
+        frontier, way = [start], None
+        while frontier and way is None:
+            following = []
+            for n in frontier:
+                for nxt in sorted(graph[n] & group):
+                    if nxt == start:
+                        way = [start, n]
+                        break
+                    if nxt not in back:
+                        back[nxt] = n
+                        following.append(nxt)
+                if way is not None:
+                    break
+            frontier = following
+        assert way is not None
+        while way[-1] != start:
+            way.append(back[way[-1]])
+        way.reverse()  # start -> ... -> n -> start
+        hops = [edges[(a, b)] for a, b in zip(way, way[1:], strict=False)]
+        out.append(f"import circle between runtime's packages: {' -> '.join(way)} ({', '.join(hops)})")
+    return out
+
+
 def breaches(root: Path) -> list[str]:
     """One line per import that breaks its layer's rule, and per file that no layer covers."""
     out = []
@@ -144,8 +247,14 @@ def breaches(root: Path) -> list[str]:
             if rel in TOP_FILES:
                 continue
             covered.add(rel)
+            package = _runtime_package(rel)
+            if package is not None and package not in RUNTIME_PACKAGES:
+                out.append(f"{rel}: no rule for runtime's package {package} (add it to RUNTIME_PACKAGES)")
+                package = None
             for line, name in imported(path):
                 why = _breach(rule, name)
+                if why is None and package is not None:
+                    why = _package_breach(package, name)
                 if why is not None:
                     out.append(f"{rel}:{line}: {why}")
     for folder in LAYERED_FOLDERS:
@@ -158,6 +267,33 @@ def breaches(root: Path) -> list[str]:
 
 def test_layers_are_clean() -> None:
     assert breaches(ROOT) == []
+
+
+def test_runtime_packages_have_no_import_circle() -> None:
+    """Neither the rule table nor what runtime's packages really import goes round in a circle."""
+    table = {(a, b): "RUNTIME_PACKAGES" for a, allowed in RUNTIME_PACKAGES.items() for b in allowed}
+    assert circles(table) == []
+    assert circles(runtime_package_imports(ROOT)) == []
+
+
+def test_every_runtime_package_has_a_rule() -> None:
+    """The table names exactly runtime's packages: a new one needs a row, a removed one loses it."""
+    found = {p.parent.name for p in ROOT.glob("runtime/*/__init__.py")}
+    assert found == set(RUNTIME_PACKAGES)
+
+
+def test_an_import_circle_is_found(tmp_path: Path) -> None:
+    """Two packages that import each other, planted alone, give exactly one line naming both imports."""
+    for where, line in (
+        ("runtime/kv/a.py", "import hicache.runtime.wire.b"),
+        ("runtime/wire/b.py", "from hicache.runtime import kv"),
+    ):
+        (tmp_path / where).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / where).write_text(line + "\n")
+    found = circles(runtime_package_imports(tmp_path))
+    assert found == [
+        "import circle between runtime's packages: kv -> wire -> kv (runtime/kv/a.py:1, runtime/wire/b.py:1)"
+    ], found
 
 
 def test_every_shared_module_is_found() -> None:
@@ -201,6 +337,19 @@ BREACHES = [
     ("runtime/bad.py", "from hicache.sim.engine import Engine", "never import each other"),
     ("runtime/storage/bad.py", "import hicache.cli", "must not import hicache.cli"),
     ("runtime/bad.py", "import runtime.nodes", "must not import runtime.nodes"),
+    # (c) inside runtime/: its packages, bottom to top, and the top-level modules above them all
+    ("runtime/storage/bad.py", "from hicache.runtime.decode.decode_node import X", "runtime.decode"),
+    ("runtime/storage/bad.py", "from hicache.runtime.serving import app", "import hicache.runtime.serving"),
+    ("runtime/security/bad.py", "import hicache.runtime.decode.faults", "import hicache.runtime.decode"),
+    ("runtime/security/bad.py", "from hicache.runtime.storage.base import X", "may import only: wire"),
+    ("runtime/kv/bad.py", "from hicache.runtime.wire import protocol", "may import only: none"),
+    ("runtime/model/bad.py", "from hicache.runtime.kv.kv_pool import KVPool", "import hicache.runtime.kv"),
+    ("runtime/decode/bad.py", "from hicache.runtime.prefill.prefill_cache import X", "runtime.prefill"),
+    ("runtime/prefill/bad.py", "from hicache.runtime.decode import decode_node", "runtime.decode"),
+    ("runtime/serving/bad.py", "from hicache.runtime.model.llama import X", "import hicache.runtime.model"),
+    ("runtime/tp/bad.py", "from hicache.runtime import nodes", "top-level modules wire the packages"),
+    ("runtime/wire/bad.py", "import hicache.runtime.cache_flags", "top-level modules wire the packages"),
+    ("runtime/extra/bad.py", "import os", "no rule for runtime's package extra"),
     # everywhere
     ("sim/bad.py", "from .engine import Engine", "relative import"),
     ("hicache/core/bad.py", "from . import pool", "relative import"),
@@ -230,6 +379,12 @@ ALLOWED = [
     ("sim/ok.py", "from hicache.results import summarize\nfrom hicache.core.decode_node import X"),
     ("runtime/ok.py", "import trio\nimport torch\nfrom hicache.results import RequestRecord"),
     ("runtime/ok.py", "from hicache.scenarios.workload import WorkItem\nfrom hicache.faults import decide"),
+    ("runtime/ok.py", "from hicache.runtime import nodes\nfrom hicache.runtime.decode.decode_node import X"),
+    ("runtime/ok.py", "from hicache.runtime.serving.app import create_app\nimport hicache.runtime.prefill"),
+    ("runtime/decode/ok.py", "from hicache.runtime.tp.group import G\nfrom hicache.runtime import kv, wire"),
+    ("runtime/decode/ok.py", "from hicache.runtime.decode.faults import X\nimport hicache.runtime"),
+    ("runtime/wire/ok.py", "from hicache.runtime.model.llama import TinyConfig\nimport hicache.runtime.kv.x"),
+    ("runtime/serving/ok.py", "from hicache.runtime.wire.client import C\nimport hicache.runtime.security.x"),
     ("hicache/cli.py", "import hicache.sim\nimport hicache.runtime\nimport trio"),
     ("hicache/__main__.py", "from hicache.cli import main"),
 ]
@@ -253,6 +408,26 @@ def test_the_picture_names_every_shared_module() -> None:
     assert missing == [], f"the Layers picture does not name {missing}"
 
 
+def test_the_docs_name_every_runtime_package() -> None:
+    """docs/architecture.md's picture and its runtime section name each of runtime's packages."""
+    text = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    layers = re.search(r"^## Layers$(.*?)^## ", text, flags=re.M | re.S)
+    runtime = re.search(r"^## The runtime \(`runtime/`\)$(.*?)^## ", text, flags=re.M | re.S)
+    assert layers is not None and runtime is not None, "docs/architecture.md lost a section"
+    missing = [p for p in sorted(RUNTIME_PACKAGES) if f"{p}/" not in layers.group(1)]
+    assert missing == [], f"the Layers picture does not name runtime's packages {missing}"
+    missing = [p for p in sorted(RUNTIME_PACKAGES) if f"runtime/{p}/" not in runtime.group(1)]
+    assert missing == [], f"the runtime section does not name runtime/{missing}"
+
+
+def test_every_runtime_package_is_installed() -> None:
+    """pyproject.toml lists every package of runtime/ (a non-editable install ships only those)."""
+    listed = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    folders = {f"hicache.runtime.{p.parent.name}" for p in ROOT.glob("runtime/*/__init__.py")}
+    assert {p for p in listed if p.startswith("hicache.runtime.")} == folders
+
+
+@pytest.mark.process
 def test_shared_layer_check_agrees() -> None:
     tool = ROOT.parent / "shared" / "tools" / "check_layers.py"
     if not tool.exists():

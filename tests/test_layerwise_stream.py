@@ -15,8 +15,8 @@ import torch
 import trio
 from node_pair import GUARD_S, node_pair
 
-from hicache.runtime.model import TinyConfig, TinyModel
-from hicache.runtime.prefill_cache import LayerGroups
+from hicache.runtime.model.llama import TinyConfig, TinyModel
+from hicache.runtime.prefill.prefill_cache import LayerGroups
 from hicache.runtime.transfer.tcp import TcpEngine
 
 LAYERS = TinyConfig().layers  # the decode node's model is the same (its fingerprint is checked)

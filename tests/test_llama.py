@@ -18,10 +18,10 @@ import pytest
 import torch
 from torch_helpers import one_thread  # noqa: F401  (a fixture)
 
-from hicache.runtime.llm.loader import LoadedModel, default_model_path, load_model
-from hicache.runtime.llm.sampling import SamplingParams, sample
-from hicache.runtime.llm.tokenizer import ChatTokenizer, byte_alphabet
-from hicache.runtime.model import LlamaModel
+from hicache.runtime.model.llama import LlamaModel
+from hicache.runtime.model.loader import LoadedModel, default_model_path, load_model
+from hicache.runtime.model.sampling import SamplingParams, sample
+from hicache.runtime.model.tokenizer import ChatTokenizer, byte_alphabet
 
 # Our float32 forward against transformers' on the same dequantized weights: measured max
 # |difference| 6.5e-5 on logits of magnitude up to ~35 (summation order, float64 RoPE angles).
@@ -88,6 +88,7 @@ def make_pool(model: LlamaModel, pages: int, page_size: int) -> torch.Tensor:
 # -- the default model ----------------------------------------------------------------------------
 
 
+@pytest.mark.real_model
 def test_default_model_reads_its_geometry_from_the_gguf(ours: tuple[LoadedModel, float]) -> None:
     loaded, seconds = ours
     cfg = loaded.model.config
@@ -101,6 +102,7 @@ def test_default_model_reads_its_geometry_from_the_gguf(ours: tuple[LoadedModel,
     assert seconds < 60, f"loading the default model took {seconds:.1f} s"
 
 
+@pytest.mark.real_model
 def test_logits_match_transformers(ours: tuple[LoadedModel, float], reference: tuple[Any, Any]) -> None:
     loaded, _ = ours
     hf, _ = reference
@@ -118,6 +120,7 @@ def test_logits_match_transformers(ours: tuple[LoadedModel, float], reference: t
         assert float((paged[b] - want[-1]).abs().max()) < LOGIT_ATOL
 
 
+@pytest.mark.real_model
 def test_tokenizer_matches_transformers(ours: tuple[LoadedModel, float], reference: tuple[Any, Any]) -> None:
     tokenizer, (_, hf_tokenizer) = ours[0].tokenizer, reference
     for text in TEXTS:
@@ -134,6 +137,7 @@ def test_tokenizer_matches_transformers(ours: tuple[LoadedModel, float], referen
         )
 
 
+@pytest.mark.real_model
 def test_streamed_text_equals_the_decoded_text(ours: tuple[LoadedModel, float]) -> None:
     tokenizer = ours[0].tokenizer
     ids = tokenizer.encode(TEXTS[3])
@@ -143,6 +147,7 @@ def test_streamed_text_equals_the_decoded_text(ours: tuple[LoadedModel, float]) 
     assert "" in pieces  # an emoji spans several tokens: nothing is emitted until it is whole
 
 
+@pytest.mark.real_model
 def test_chat_greedy_decoding_on_pages_answers_paris(ours: tuple[LoadedModel, float]) -> None:
     model, tokenizer = ours[0].model, ours[0].tokenizer
     prompt = tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
@@ -163,6 +168,7 @@ def test_chat_greedy_decoding_on_pages_answers_paris(ours: tuple[LoadedModel, fl
     assert out[-1] in model.eos_token_ids, text
 
 
+@pytest.mark.real_model
 def test_batched_greedy_decode_matches_transformers_generate(
     ours: tuple[LoadedModel, float], reference: tuple[Any, Any]
 ) -> None:
@@ -185,6 +191,7 @@ def test_batched_greedy_decode_matches_transformers_generate(
         assert got == want[0, len(ids) :].tolist()
 
 
+@pytest.mark.real_model
 def test_exported_tokenizer_loads_in_transformers(ours: tuple[LoadedModel, float], tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 
@@ -282,6 +289,7 @@ HF_CASES = {
 }
 
 
+@pytest.mark.real_model
 @pytest.mark.parametrize("case", sorted(HF_CASES))
 def test_hugging_face_directories_match_transformers(
     case: str, ours: tuple[LoadedModel, float], tmp_path: Path
@@ -382,6 +390,7 @@ CHAT_TEMPLATE = (
 TINY_TOKENS = [int(t) for t in torch.randint(0, 262, (40,), generator=torch.Generator().manual_seed(1))]
 
 
+@pytest.mark.real_model
 @pytest.mark.parametrize(
     ("arch", "extra"),
     [("llama", {"tie_word_embeddings": False}), ("qwen2", {"tie_word_embeddings": True})],

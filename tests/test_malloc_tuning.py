@@ -12,6 +12,7 @@ from hicache.runtime.malloc_tuning import MAX_MMAP_THRESHOLD, pin_mmap_threshold
 GLIBC = sys.platform.startswith("linux") and "glibc" in " ".join(__import__("platform").libc_ver())
 
 
+@pytest.mark.process
 @pytest.mark.skipif(not GLIBC, reason="mallopt is glibc's")
 def test_glibc_takes_the_threshold_in_a_fresh_process() -> None:
     code = "from hicache.runtime.malloc_tuning import pin_mmap_threshold as p; print(p(131072), p(0))"
@@ -25,6 +26,7 @@ def test_a_threshold_out_of_range_is_refused_naming_the_range(bad: int) -> None:
         pin_mmap_threshold(bad)
 
 
+@pytest.mark.process
 def test_the_node_command_refuses_a_bad_threshold_with_exit_2() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "hicache", "node", "prefill", "--engine", "tcp", "--mmap-threshold", "-5"],

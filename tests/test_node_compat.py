@@ -1,4 +1,4 @@
-"""What two nodes must agree on at connect (`runtime/compat.py`): each field is checked, and a
+"""What two nodes must agree on at connect (`runtime/wire/compat.py`): each field is checked, and a
 peer that sends no profile is refused by name."""
 
 from __future__ import annotations
@@ -6,10 +6,10 @@ from __future__ import annotations
 import attrs
 import pytest
 
-from hicache.runtime import compat
-from hicache.runtime.kv_layout import KVLayout
-from hicache.runtime.model import TinyConfig
+from hicache.runtime.kv.kv_layout import KVLayout
+from hicache.runtime.model.llama import TinyConfig
 from hicache.runtime.transfer.tcp import TcpEngine
+from hicache.runtime.wire import compat
 
 
 class NixlLike:

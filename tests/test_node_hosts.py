@@ -15,9 +15,9 @@ import psutil
 import pytest
 import trio
 
-from hicache.runtime.client import DecodeClient
 from hicache.runtime.nodes import make_engine
-from hicache.runtime.prefill_address import advertised
+from hicache.runtime.wire.client import DecodeClient
+from hicache.runtime.wire.prefill_address import advertised
 
 COMMON = ["--engine", "tcp", "--page-size", "4"]
 
@@ -49,6 +49,7 @@ def listening(pid: int) -> set[str]:
     return {c.laddr.ip for c in psutil.Process(pid).net_connections("tcp") if c.status == psutil.CONN_LISTEN}
 
 
+@pytest.mark.process
 def test_prefill_and_decode_on_two_addresses_serve_a_request() -> None:
     decode_args = ["--host", "127.0.0.3", "--l1-pages", "256", "--num-reserved-decode-tokens", "8"]
     prefill_args = [*COMMON, "--host", "127.0.0.2"]
@@ -75,7 +76,7 @@ def test_prefill_and_decode_on_two_addresses_serve_a_request() -> None:
 @pytest.mark.parametrize("host", ["127.0.0.2", "0.0.0.0"])
 def test_the_transfer_engine_advertises_an_address_peers_can_dial(host: str) -> None:
     async def info() -> bytes:
-        from hicache.runtime.cluster_secret import ClusterSecret
+        from hicache.runtime.security.cluster_secret import ClusterSecret
         from hicache.runtime.transfer.base import PeerInfo
 
         async with make_engine("tcp", "t", ClusterSecret.of("s3cret"), host) as engine:

@@ -16,8 +16,10 @@ import numpy as np
 import pytest
 import trio
 
-from hicache.runtime.client import DecodeClient, NodeGone
 from hicache.runtime.launch import NodeProcess, start_node
+from hicache.runtime.wire.client import DecodeClient, NodeGone
+
+pytestmark = pytest.mark.process
 
 PAGE = 16
 LIMIT_S = 120  # a guard against hangs, never a speed assertion

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch_helpers import one_thread, rel_err  # noqa: F401  (a fixture)
 
-from hicache.runtime.model import RopeScaling, TinyConfig, TinyModel, from_pages, greedy_token
+from hicache.runtime.model.llama import RopeScaling, TinyConfig, TinyModel, from_pages, greedy_token
 
 MODEL = TinyModel(TinyConfig())
 

@@ -20,16 +20,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from node_pair import GUARD_S, PAGE, authenticated, node_pair, prompt, small_core, turn
 
-from hicache.runtime import compat, peer_auth, prefill_node, protocol
-from hicache.runtime.cluster_secret import ClusterSecret, UntrustedSecret, default_path
-from hicache.runtime.decode_node import DecodeService
-from hicache.runtime.limits import Limits
-from hicache.runtime.model import TinyConfig, TinyModel
+from hicache.runtime.decode.decode_node import DecodeService
+from hicache.runtime.model.llama import TinyConfig, TinyModel
 from hicache.runtime.nodes import layout_for, sole
-from hicache.runtime.prefill_node import PrefillNode
+from hicache.runtime.prefill import prefill_node
+from hicache.runtime.prefill.prefill_node import PrefillNode
+from hicache.runtime.security import peer_auth
+from hicache.runtime.security.cluster_secret import ClusterSecret, UntrustedSecret, default_path
+from hicache.runtime.security.limits import Limits
 from hicache.runtime.storage.memory_store import MemoryStore
 from hicache.runtime.transfer.base import PeerInfo
 from hicache.runtime.transfer.tcp import TcpEngine
+from hicache.runtime.wire import compat, protocol
 
 # ============================================================================ the secret
 

@@ -1,4 +1,4 @@
-"""The prefill node's own cache (`runtime/prefill_cache.py`): a repeated or extended prompt
+"""The prefill node's own cache (`runtime/prefill/prefill_cache.py`): a repeated or extended prompt
 computes only its new tokens, pages the decode nodes stored in L3 are read when that is faster
 than computing them, tenants never share, a faulty store costs only compute, and the KV is
 always what computing it gives. Most tests drive the cache in-process with the tiny model; one
@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 
 from hicache.core.pages import namespace_seed, page_keys
 from hicache.runtime.launch import start_node
-from hicache.runtime.model import TinyConfig, TinyModel, to_pages
+from hicache.runtime.model.llama import TinyConfig, TinyModel, to_pages
 from hicache.runtime.nodes import layout_for
-from hicache.runtime.prefill_cache import PrefillCache, Prefilled, Speeds
+from hicache.runtime.prefill.prefill_cache import PrefillCache, Prefilled, Speeds
 from hicache.runtime.replay import Replayer
 from hicache.runtime.storage.file_store import FileStore
 from hicache.runtime.storage.memory_store import MemoryStore
@@ -192,6 +192,7 @@ async def test_a_prompt_larger_than_l1_is_computed_without_the_cache() -> None:
     assert_computes_alike(prompt, got)
 
 
+@pytest.mark.slow
 @settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     st.lists(
@@ -228,6 +229,7 @@ def test_tree_invariants_hold_under_random_prompts_and_evictions(
     trio.run(main)
 
 
+@pytest.mark.process
 async def test_a_fresh_prefill_node_reads_a_conversation_back_from_l3(tmp_path: Path) -> None:
     """Real processes. A conversation's second turn hits the prefill node's own cache; after
     both nodes stop, a fresh prefill node on the same L3 (and a decode node with an empty one)

@@ -153,6 +153,7 @@ def valid_step(w: World, data: st.DataObject, history: list[ev.Event], n: int) -
         w.feed = feed  # type: ignore[method-assign]
 
 
+@pytest.mark.slow
 @settings(
     max_examples=examples(60),
     deadline=None,

@@ -100,6 +100,7 @@ def _parse(path: Path) -> Page:
     return page
 
 
+@pytest.mark.slow
 def test_report_is_self_contained_and_its_images_are_pngs(sweep: Path) -> None:
     page = _parse(sweep / "report.html")
     assert {"html", "head", "style", "body", "table", "img"} <= set(page.tags)

@@ -14,9 +14,9 @@ import trio.testing
 from hypothesis import given, settings
 
 from hicache.core.router import Router
-from hicache.runtime import protocol
 from hicache.runtime.serving.backend import Finished, GenerateEvent, GenerateRequest, SamplingSpec, Tokens
 from hicache.runtime.serving.routed_backend import PEEK_TIMEOUT_S, RoutedBackend
+from hicache.runtime.wire import protocol
 
 
 @attrs.define(eq=False)

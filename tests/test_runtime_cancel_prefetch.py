@@ -21,9 +21,9 @@ from node_pair import PAGE, assert_nothing_held, node_pair, prompt, turn
 from hicache.core import commands as cmd
 from hicache.core import events as ev
 from hicache.core.config import DecodeConfig
-from hicache.runtime.decode_node import DecodeService
-from hicache.runtime.kv_pool import KVPool, PageIndices
-from hicache.runtime.model import TinyConfig, TinyModel
+from hicache.runtime.decode.decode_node import DecodeService
+from hicache.runtime.kv.kv_pool import KVPool, PageIndices
+from hicache.runtime.model.llama import TinyConfig, TinyModel
 from hicache.runtime.nodes import layout_for
 from hicache.runtime.storage.base import Progress, StorageBackend
 from hicache.runtime.storage.file_store import FileStore
@@ -213,6 +213,7 @@ async def test_a_cancelled_file_read_stops_at_a_page_boundary_inside_its_chunk(t
 # ------------------------------------------------------------------ through the node
 
 
+@pytest.mark.slow
 async def test_the_timeout_policy_cancels_a_slow_prefetch_and_the_node_goes_on(tmp_path: Path) -> None:
     delay = 0.5  # per page: the whole read would take PAGES * delay = 3 s
     async with node_pair(tmp_path, config={"prefetch_timeout_base": 0.2}) as pair:

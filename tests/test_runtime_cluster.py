@@ -9,16 +9,19 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 import trio
 
 from hicache.core.router import Router
-from hicache.runtime.client import DecodeClient
 from hicache.runtime.launch import NodeProcess, start_node
-from hicache.runtime.model import TinyConfig, TinyModel
+from hicache.runtime.model.llama import TinyConfig, TinyModel
 from hicache.runtime.serving.backend import GenerateRequest, ModelInfo, SamplingSpec
 from hicache.runtime.serving.node_backend import NodeBackend
 from hicache.runtime.serving.routed_backend import RoutedBackend
 from hicache.runtime.verify import KVLedger
+from hicache.runtime.wire.client import DecodeClient
+
+pytestmark = pytest.mark.process
 
 PAGE = 16
 GUARD_S = 90  # a guard against hangs, never a speed assertion

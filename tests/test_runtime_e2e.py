@@ -14,15 +14,17 @@ import numpy as np
 import pytest
 import trio
 
-from hicache.runtime.client import DecodeClient
 from hicache.runtime.launch import NodeProcess, start_node
-from hicache.runtime.model import TinyConfig, TinyModel
+from hicache.runtime.model.llama import TinyConfig, TinyModel
 from hicache.runtime.runner import run_scenario
 from hicache.runtime.verify import KVLedger
+from hicache.runtime.wire.client import DecodeClient
 from hicache.scenarios.build import build_workload
 from hicache.scenarios.scenario import parse_scenario
 from hicache.sim.cluster import Cluster
 from hicache.sim.setup import setups
+
+pytestmark = pytest.mark.process
 
 PAGE = 16
 ENGINES = [

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch_helpers import one_thread, rel_err  # noqa: F401  (a fixture)
 
-from hicache.runtime.model import TinyConfig, TinyModel, from_pages, greedy_token, to_pages
+from hicache.runtime.model.llama import TinyConfig, TinyModel, from_pages, greedy_token, to_pages
 
 CONFIG = TinyConfig()
 MODEL = TinyModel(CONFIG)

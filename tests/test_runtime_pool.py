@@ -14,9 +14,9 @@ from builders import examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hicache.runtime.copy_engine import CopyEngine, StreamTracker, contiguous_runs
-from hicache.runtime.kv_layout import KVLayout
-from hicache.runtime.kv_pool import KVPool
+from hicache.runtime.kv.copy_engine import CopyEngine, StreamTracker, contiguous_runs
+from hicache.runtime.kv.kv_layout import KVLayout
+from hicache.runtime.kv.kv_pool import KVPool
 
 CUDA = torch.cuda.is_available()
 DTYPES = ["float64", "float32", "bfloat16", "float16", "int8", "uint8"]

@@ -21,8 +21,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from hicache.runtime.kv_layout import KVLayout
-from hicache.runtime.kv_pool import KVPool
+from hicache.runtime.kv.kv_layout import KVLayout
+from hicache.runtime.kv.kv_pool import KVPool
 from hicache.runtime.storage import FileStore, MemoryStore, StorageBackend, key_name, key_value
 from hicache.runtime.storage.file_store import (
     HEADER,

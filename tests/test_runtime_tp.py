@@ -23,16 +23,16 @@ from hypothesis import given, settings
 
 from hicache.core import events as ev
 from hicache.core.pages import namespace_seed, page_keys
-from hicache.runtime import protocol
-from hicache.runtime.client import DecodeClient
-from hicache.runtime.compat import shard_heads
+from hicache.runtime.decode.tp_rounds import Rounds
 from hicache.runtime.launch import NodeProcess, start_node
-from hicache.runtime.model import TinyConfig, TinyModel
+from hicache.runtime.model.llama import TinyConfig, TinyModel
+from hicache.runtime.model.tp_model import check_split, head_range
 from hicache.runtime.storage.file_store import SUFFIX
-from hicache.runtime.tp_kv import heads_field
-from hicache.runtime.tp_model import check_split, head_range
-from hicache.runtime.tp_rounds import Rounds
+from hicache.runtime.tp.tp_kv import heads_field
 from hicache.runtime.verify import KVLedger
+from hicache.runtime.wire import protocol
+from hicache.runtime.wire.client import DecodeClient
+from hicache.runtime.wire.compat import shard_heads
 
 PAGE = 16
 GUARD_S = 60  # a guard against hangs, never a speed assertion
@@ -95,6 +95,7 @@ async def _conversation(prefill: NodeProcess, tmp: Path, tp: int) -> list[tuple[
     return out
 
 
+@pytest.mark.process
 async def test_two_ranks_generate_what_one_generates_with_every_tier_checked_per_rank(tmp_path: Path) -> None:
     prefill = await _prefill(tmp_path / "logs")
     try:
@@ -111,6 +112,7 @@ def _page_file(storage: Path, rank: int, key: int) -> Path:
     return storage / "tp2" / f"rank{rank}" / name[:2] / (name + SUFFIX)
 
 
+@pytest.mark.process
 async def test_ranks_with_different_l3_shards_take_the_same_shortened_plan(tmp_path: Path) -> None:
     logs, storage, commands = tmp_path / "logs", tmp_path / "l3", tmp_path / "commands"
     rng = np.random.default_rng(5)
@@ -166,6 +168,7 @@ def _gone(pid: int) -> bool:
         return True
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("victim", ["rank 1 killed", "rank 0 killed", "rank 1 stopped"])
 async def test_a_dead_or_stuck_rank_ends_every_rank_with_a_line_naming_it(
     tmp_path: Path, victim: str
@@ -201,6 +204,7 @@ async def test_a_dead_or_stuck_rank_ends_every_rank_with_a_line_naming_it(
         assert "hicache node decode: rank 1: rank 0 is gone" in said
 
 
+@pytest.mark.process
 def test_a_model_whose_kv_heads_do_not_split_is_refused_at_start(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "hicache", "node", "decode", "--prefill", "127.0.0.1:9", "--tp-size", "3"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=GUARD_S)

@@ -11,7 +11,7 @@ from builders import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hicache.runtime.llm.sampling import SamplingParams, sample
+from hicache.runtime.model.sampling import SamplingParams, sample
 
 GREEDY = SamplingParams()
 

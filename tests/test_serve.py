@@ -19,7 +19,9 @@ import openai
 import pytest
 import trio
 
-from hicache.runtime.client import DecodeClient
+from hicache.runtime.wire.client import DecodeClient
+
+pytestmark = [pytest.mark.process, pytest.mark.real_model]
 
 PAGE = 16
 ADMIN = "sk-test-admin-0123456789"

@@ -15,6 +15,8 @@ from typing import Any
 import httpx2 as httpx
 import pytest
 
+pytestmark = [pytest.mark.process, pytest.mark.real_model]
+
 PAGE = 16
 SYSTEM = "You are a terse assistant. Answer in at most ten words."
 

@@ -109,6 +109,7 @@ def test_a_machine_too_small_for_ordinary_values_blames_the_biggest_reduction(
     assert info.value.field.startswith(("cache.", "cluster."))
 
 
+@pytest.mark.slow
 def test_a_huge_name_is_refused_before_it_titles_a_plot(
     tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:

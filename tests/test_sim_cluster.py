@@ -154,6 +154,7 @@ def test_max_running_caps_the_batch_in_the_driver_and_the_core(k: int, cache: di
         assert sum(r.retractions for r in result.records) > 0
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not CONVERSATION.exists(), reason="needs ../shared/traces/conversation_trace.jsonl")
 def test_mooncake_hit_rate_meets_the_ideal_with_unbounded_tiers() -> None:
     ideal = trace_stats(read_trace(CONVERSATION)).ideal_hit_ratio

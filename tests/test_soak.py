@@ -12,6 +12,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.process
+
 SOAK = Path(__file__).resolve().parent.parent / "bench" / "soak.py"
 SECONDS = 60
 WARMUP = 20

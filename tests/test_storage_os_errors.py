@@ -27,7 +27,7 @@ import trio
 from node_pair import assert_nothing_held, node_pair, prompt, turn
 from test_runtime_storage import LAYOUT, filled_pool, rows
 
-from hicache.runtime.kv_pool import KVPool
+from hicache.runtime.kv.kv_pool import KVPool
 from hicache.runtime.storage import FileStore
 from hicache.runtime.storage import file_store as fs
 
@@ -432,6 +432,7 @@ async def test_an_untrustworthy_key_file_is_not_used(
 # ============================================================================ a live decode node
 
 
+@pytest.mark.slow
 async def test_a_decode_node_whose_l3_fills_up_then_turns_read_only_serves_every_request(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from test_runtime_storage import LAYOUT, filled_pool, rows
 
-from hicache.runtime.kv_pool import KVPool
+from hicache.runtime.kv.kv_pool import KVPool
 from hicache.runtime.storage import FileStore, StorageBackend
 from hicache.runtime.storage import file_store as fs
 from hicache.runtime.storage.page_index import INDEX_FILE
@@ -251,7 +251,7 @@ class BoundedStoreMachine(RuleBasedStateMachine):
 BoundedStoreMachine.TestCase.settings = settings(
     max_examples=examples(60), stateful_step_count=30, deadline=None
 )
-test_bounded_store_follows_the_slru_model = BoundedStoreMachine.TestCase
+test_bounded_store_follows_the_slru_model = pytest.mark.slow(BoundedStoreMachine.TestCase)
 
 
 # ------------------------------------------------------------------------------- the policy
@@ -484,6 +484,7 @@ async def test_a_busy_index_costs_recency_not_hits(tmp_path: Path, caplog: pytes
 # ----------------------------------------------------------------------------- a decode node
 
 
+@pytest.mark.slow
 async def test_a_decode_node_on_a_bounded_folder_serves_every_turn_within_the_capacity(
     tmp_path: Path,
 ) -> None:
@@ -491,7 +492,7 @@ async def test_a_decode_node_on_a_bounded_folder_serves_every_turn_within_the_ca
     conversation read again survives the new ones written after it, and every turn is exact."""
     from node_pair import PAGE, assert_nothing_held, node_pair, prompt, turn
 
-    from hicache.runtime.model import TinyConfig, TinyModel
+    from hicache.runtime.model.llama import TinyConfig, TinyModel
     from hicache.runtime.nodes import layout_for
 
     layout = layout_for(TinyModel(TinyConfig()).config, PAGE)
@@ -522,8 +523,8 @@ WORKER = textwrap.dedent(
     """
     import json, pathlib, sys, time
     import numpy as np, torch, trio
-    from hicache.runtime.kv_layout import KVLayout
-    from hicache.runtime.kv_pool import KVPool
+    from hicache.runtime.kv.kv_layout import KVLayout
+    from hicache.runtime.kv.kv_pool import KVPool
     from hicache.runtime.storage import FileStore
 
     root, capacity, first, count, shared = sys.argv[1], *map(int, sys.argv[2:6])
@@ -558,6 +559,7 @@ WORKER = textwrap.dedent(
 )
 
 
+@pytest.mark.process
 def test_two_processes_share_one_directory_and_its_capacity(tmp_path: Path) -> None:
     capacity = 24 * FILE
     procs = [
@@ -590,7 +592,7 @@ def test_two_processes_share_one_directory_and_its_capacity(tmp_path: Path) -> N
 OPENER = textwrap.dedent(
     """
     import json, pathlib, sys, time
-    from hicache.runtime.kv_layout import KVLayout
+    from hicache.runtime.kv.kv_layout import KVLayout
     from hicache.runtime.storage import FileStore
 
     root, me, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3])
@@ -612,6 +614,7 @@ OPENER = textwrap.dedent(
 )
 
 
+@pytest.mark.process
 def test_two_processes_opening_a_new_directory_at_once_both_keep_its_capacity(tmp_path: Path) -> None:
     """Switching a new index file to WAL answers "database is locked" at once (no busy wait) to
     the second of two processes that open it together; that one must wait and open it, not

@@ -48,6 +48,7 @@ def _scenario(trace: Path):
     return load_scenario(SCENARIO, [f'workload.path="{trace}"', 'run.baselines=["l1_l2_l3"]'])
 
 
+@pytest.mark.slow
 def test_streamed_replay_matches_in_memory(tmp_path: Path) -> None:
     scenario = _scenario(_trace(tmp_path / "t.jsonl", 2000))
     assert why_not_streamed(scenario) is None
@@ -103,6 +104,7 @@ def _table_rows(text: str) -> list[str]:
     return [line.rsplit(maxsplit=1)[0] for line in lines[start : start + 3]]
 
 
+@pytest.mark.slow
 def test_sim_run_streams_a_trace_and_writes_what_the_in_memory_path_writes(
     tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -84,6 +84,7 @@ def _comparable(summary: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.slow
 def test_every_run_equals_its_configuration_simulated_alone(
     full: tuple[SweepPlan, Path, list[str]], scenario_file: Path
 ) -> None:
@@ -121,6 +122,7 @@ def _without_wall(path: Path) -> list[list[str]]:
     return [keep, *([row[h] for h in keep] for row in rows)]
 
 
+@pytest.mark.process
 def test_sweep_csv_has_a_row_per_run_and_baseline(full: tuple[SweepPlan, Path, list[str]]) -> None:
     plan, out, _ = full
     header, rows = _csv(out / "sweep.csv")
@@ -155,6 +157,7 @@ def test_sweep_csv_has_a_row_per_run_and_baseline(full: tuple[SweepPlan, Path, l
     }
 
 
+@pytest.mark.slow
 def test_sweep_csv_columns_do_not_depend_on_the_runs_present(
     full: tuple[SweepPlan, Path, list[str]], tmp_path: Path
 ) -> None:
@@ -173,6 +176,7 @@ class Stop(Exception):
     pass
 
 
+@pytest.mark.process
 def test_an_interrupted_sweep_resumes_where_it_stopped(
     full: tuple[SweepPlan, Path, list[str]],
     scenario_file: Path,
@@ -420,6 +424,7 @@ def test_ray_executor_without_ray_says_how_to_install() -> None:
         pytest.skip("Ray is installed; the message for a missing Ray cannot be shown")
 
 
+@pytest.mark.process
 def test_ray_sweep_equals_the_local_one(
     full: tuple[SweepPlan, Path, list[str]], scenario_file: Path, tmp_path: Path
 ) -> None:

@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transfer_peer import initial_pages, recv_exactly, wire_hello, wire_initiate
 
-from hicache.runtime.cluster_secret import ClusterSecret
+from hicache.runtime.security.cluster_secret import ClusterSecret
 from hicache.runtime.transfer import MemoryRegion, PeerInfo, TcpEngine, XferState
 from hicache.runtime.transfer.tcp import (
     ACCEPTOR_PURPOSE,

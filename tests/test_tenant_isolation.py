@@ -13,6 +13,7 @@ from pathlib import Path
 
 import hypothesis.strategies as st
 import numpy as np
+import pytest
 import trio
 from builders import examples
 from hypothesis import given, settings
@@ -24,10 +25,10 @@ from hicache.core import events as ev
 from hicache.core.config import DecodeConfig
 from hicache.core.pages import namespace_seed, page_keys
 from hicache.results import RequestRecord
-from hicache.runtime.client import DecodeClient
 from hicache.runtime.launch import start_node
-from hicache.runtime.model import TinyConfig, TinyModel
+from hicache.runtime.model.llama import TinyConfig, TinyModel
 from hicache.runtime.verify import KVLedger
+from hicache.runtime.wire.client import DecodeClient
 from hicache.scenarios.build import build_workload
 from hicache.scenarios.scenario import parse_scenario
 from hicache.scenarios.workload import WorkItem
@@ -175,6 +176,7 @@ def test_simulated_tenants_with_a_shared_system_prompt_never_hit_each_other() ->
 RT_PAGE = 16
 
 
+@pytest.mark.process
 async def test_runtime_tenants_get_no_hit_from_each_other_on_any_tier(tmp_path: Path) -> None:
     """Tenant "a" asks, then other tenants ask the same tokens while a's pages sit on L1, then
     L2 only, then L3 only: none of them hits anything; "a" itself hits each tier in turn."""

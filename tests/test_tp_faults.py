@@ -20,6 +20,7 @@ from typing import Any
 
 import attrs
 import hypothesis.strategies as st
+import pytest
 from builders import decode_config, examples
 from builders import prompt as tokens
 from hypothesis import HealthCheck, Phase, event, given, settings
@@ -232,6 +233,7 @@ FUZZ = settings(
 )
 
 
+@pytest.mark.slow
 @FUZZ
 @given(s=schedules(local_load_faults=False))
 def test_ranks_decide_alike_whatever_their_storage_reports(s: dict[str, Any]) -> None:
@@ -246,6 +248,7 @@ def test_ranks_decide_alike_whatever_their_storage_reports(s: dict[str, Any]) ->
         assert outcome in allowed, (f"r{i}", outcome, reason)
 
 
+@pytest.mark.slow
 @FUZZ
 @given(s=schedules(local_load_faults=True))
 def test_ranks_decide_alike_when_a_load_back_fails_on_one_rank_only(s: dict[str, Any]) -> None:

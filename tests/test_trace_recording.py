@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 from serving_fakes import EOS, ByteCodec, FakeBackend
 
 from hicache.cli import main as cli_main
-from hicache.runtime.api_keys import ApiKeys
+from hicache.runtime.security.api_keys import ApiKeys
 from hicache.runtime.serving import create_app, serve_http, trace_recorder
 from hicache.runtime.serving.backend import GenerateRequest, SamplingSpec
 from hicache.runtime.serving.generation import Generation, Job
@@ -398,6 +398,8 @@ def test_a_full_disk_stops_recording_and_no_request_fails(small_tmpfs: Path) -> 
 # ============================================================================ end to end
 
 
+@pytest.mark.process
+@pytest.mark.real_model
 def test_hicache_serve_records_what_it_serves(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The real `hicache serve` (default model), three chat requests, two sharing a system prompt
     over one 512-token block: the trace shows the shared block, and its header the node."""

@@ -24,6 +24,7 @@ def shared(name: str) -> Path:
     return path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("name", "requests", "ideal"),
     [

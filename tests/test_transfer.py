@@ -317,6 +317,7 @@ class PeerProcess:
         return (await self.ask("SUM " + ",".join(map(str, pages)), "SUM")).split(",")
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("kind", ENGINES)
 async def test_two_processes_write_read_back_then_the_peer_dies(kind: str) -> None:
     n, page_bytes = 24, 64 * 1024
@@ -353,6 +354,7 @@ async def test_two_processes_write_read_back_then_the_peer_dies(kind: str) -> No
             assert await engine.wait(h, timeout=GUARD_S) is XferState.ERR
 
 
+@pytest.mark.process
 async def test_tcp_peer_killed_mid_write_gives_err() -> None:
     n, page_bytes = 96, 1 << 20  # 96 MiB: far more than loopback socket buffers hold
     src = np.zeros((n, page_bytes), dtype=np.uint8)

@@ -335,6 +335,7 @@ def test_without_backoff_the_retry_goes_out_at_once_as_before(kw: dict[str, floa
     assert not [x for x in w.log if isinstance(x, cmd.SetTimer)] and waiting(w) == []
 
 
+@pytest.mark.slow
 def test_a_zero_backoff_run_is_the_default_run_command_for_command() -> None:
     """The same events with backoff 0 (explicitly) and by default give the same commands: the
     simulator's results do not change unless a scenario sets a backoff."""

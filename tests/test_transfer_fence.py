@@ -23,7 +23,7 @@ from engine_kinds import ENGINES
 from node_pair import assert_nothing_held, node_pair, prompt, turn
 from transfer_peer import wire_initiate
 
-from hicache.runtime.prefill_node import PrefillNode
+from hicache.runtime.prefill.prefill_node import PrefillNode
 from hicache.runtime.transfer import NixlEngine, PeerInfo, TcpEngine, TransferEngine, XferState
 from hicache.runtime.transfer.tcp import HEADER, Msg, encode_header
 
@@ -164,6 +164,7 @@ def stall_first(prefill: PrefillNode, name: str, gate: trio.Event | None = None)
     return calls
 
 
+@pytest.mark.slow
 async def test_a_stalled_transfer_is_fenced_by_the_target_and_retried(tmp_path: Path) -> None:
     async with node_pair(tmp_path, transfer_timeout=0.5) as pair:
         answers = stall_first(pair.prefill, "_answer_kv")
@@ -175,6 +176,7 @@ async def test_a_stalled_transfer_is_fenced_by_the_target_and_retried(tmp_path: 
         await assert_nothing_held(pair.service, pair.client)
 
 
+@pytest.mark.slow
 async def test_without_a_target_fence_prefill_cancels_and_confirms_before_the_retry(tmp_path: Path) -> None:
     async with node_pair(
         tmp_path, transfer_timeout=0.5, decode_engine=lambda: UnfencedTcpEngine(name="decode")
@@ -187,6 +189,7 @@ async def test_without_a_target_fence_prefill_cancels_and_confirms_before_the_re
         await assert_nothing_held(pair.service, pair.client)
 
 
+@pytest.mark.slow
 async def test_an_unconfirmed_transfer_fails_its_request_and_keeps_its_pages_until_it_settles(
     tmp_path: Path,
 ) -> None:

@@ -520,6 +520,8 @@ def test_a_recorded_block_size_is_honoured_by_the_trace_reader(recorded: Path) -
 # ============================================================================ a real node (short)
 
 
+@pytest.mark.process
+@pytest.mark.real_model
 def test_real_node_the_twin_predicts_the_recorded_tiers_and_the_l2_what_if(tmp_path: Path) -> None:
     """REAL NODE: `hicache serve` (default model, CPU) records 3 chats x 4 turns, one request at a
     time, with an L1 of 12 pages and L2 as large (so turns lose pages the node's L2 cannot keep);
@@ -529,10 +531,7 @@ def test_real_node_the_twin_predicts_the_recorded_tiers_and_the_l2_what_if(tmp_p
     node moved, by about as much. The recording carries what the fit's transfer term needs: the
     prefill cache's size, and transfers that differ from what prefill computed (turns whose
     history the decode node lost). (Times are compared in bench/twin_check.py, not here.)"""
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-    from twin_check import drop_warmup, record
+    from hicache.runtime.serving.chat_traffic import drop_warmup, record
 
     traffic = {"l1_pages": 12, "conversations": 3, "turns": 4, "max_new": 8}
     base, doubled = tmp_path / "base.jsonl", tmp_path / "l2x2.jsonl"

@@ -33,7 +33,7 @@ import numpy as np
 import trio
 
 if TYPE_CHECKING:
-    from hicache.runtime.cluster_secret import ClusterSecret
+    from hicache.runtime.security.cluster_secret import ClusterSecret
 
 
 def initial_pages(seed: int, num_pages: int, page_bytes: int) -> np.ndarray:
@@ -67,7 +67,7 @@ async def wire_hello(
     """Say HELLO as engine `name` and read the HELLO_ACK (an ERROR raises `ConnectionRefusedError`
     with its text). Returns the proof parts `(nonce_i, nonce_t, name, target)` and whether the
     target's proof is right for `secret` (default: the environment's)."""
-    from hicache.runtime.cluster_secret import ClusterSecret
+    from hicache.runtime.security.cluster_secret import ClusterSecret
     from hicache.runtime.transfer.tcp import (
         ACCEPTOR_PURPOSE,
         HEADER,
@@ -95,7 +95,7 @@ async def wire_hello(
 async def wire_initiate(stream: trio.abc.Stream, name: bytes, secret: ClusterSecret | None = None) -> bytes:
     """The initiator's side of the handshake by hand, as engine `name`: HELLO, check HELLO_ACK,
     AUTH. Returns the AUTH proof it sent."""
-    from hicache.runtime.cluster_secret import ClusterSecret
+    from hicache.runtime.security.cluster_secret import ClusterSecret
     from hicache.runtime.transfer.tcp import INITIATOR_PURPOSE, MAC_BYTES, Msg, encode_header, handshake_proof
 
     secret = secret if secret is not None else ClusterSecret.load()
@@ -110,7 +110,7 @@ async def wire_initiate(stream: trio.abc.Stream, name: bytes, secret: ClusterSec
 async def wire_accept(stream: trio.abc.Stream, name: bytes, secret: ClusterSecret | None = None) -> bytes:
     """The target's side of the handshake by hand, as engine `name`: read HELLO, answer HELLO_ACK,
     check AUTH. Returns the initiator's name."""
-    from hicache.runtime.cluster_secret import ClusterSecret
+    from hicache.runtime.security.cluster_secret import ClusterSecret
     from hicache.runtime.transfer.tcp import (
         ACCEPTOR_PURPOSE,
         HEADER,

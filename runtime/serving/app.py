@@ -93,7 +93,7 @@ def create_app(
 ) -> Starlette:
     """An ASGI app for `backend`; `codec` tokenizes prompts and detokenizes output.
 
-    `api_keys`: runtime/api_keys.py's `ApiKeys` (or a mapping key -> principal); when given,
+    `api_keys`: runtime/security/api_keys.py's `ApiKeys` (or a mapping key -> principal); when given,
     every route but /health and /health_generate needs `Authorization: Bearer KEY`, the key's
     tenant goes into each `GenerateRequest`, and /flush_cache and /metrics need an admin key.
     `recorder`: where traces of the requests served are recorded (trace_recorder.py); its

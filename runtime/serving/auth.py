@@ -1,6 +1,6 @@
 """Bearer keys: which tenant a request belongs to, and whether it may run admin routes.
 
-Takes runtime/api_keys.py's `ApiKeys` (anything with `lookup(key) -> Principal | None`) or a
+Takes runtime/security/api_keys.py's `ApiKeys` (anything with `lookup(key) -> Principal | None`) or a
 plain mapping key -> principal (anything with `.tenant` and `.admin`); without keys the door
 is open and every caller is an admin of the shared namespace.
 """
@@ -12,7 +12,7 @@ from typing import Protocol
 
 from starlette.requests import Request
 
-from hicache.runtime.api_keys import OPEN, digest
+from hicache.runtime.security.api_keys import OPEN, digest
 from hicache.runtime.serving.errors import ApiError
 
 

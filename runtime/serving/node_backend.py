@@ -13,8 +13,6 @@ from typing import Any
 
 import attrs
 
-from hicache.runtime import protocol
-from hicache.runtime.client import DecodeClient
 from hicache.runtime.serving.backend import (
     TIERS,
     Finished,
@@ -23,6 +21,8 @@ from hicache.runtime.serving.backend import (
     ModelInfo,
     Tokens,
 )
+from hicache.runtime.wire import protocol
+from hicache.runtime.wire.client import DecodeClient
 
 log = logging.getLogger("hicache.runtime.serving")
 

@@ -18,9 +18,9 @@ import attrs
 import trio
 
 from hicache.core.router import Router
-from hicache.runtime import protocol
 from hicache.runtime.serving.backend import GenerateEvent, GenerateRequest, ModelInfo
 from hicache.runtime.serving.node_backend import NodeBackend
+from hicache.runtime.wire import protocol
 
 log = logging.getLogger("hicache.runtime.serving")
 PEEK_TIMEOUT_S = 1.0  # a node slower than this to say what it holds is taken to hold nothing

@@ -25,8 +25,8 @@ from typing import Protocol, runtime_checkable
 import attrs
 import numpy as np
 
-from hicache.runtime.kv_layout import KVLayout
-from hicache.runtime.kv_pool import KVPool, PageIndices
+from hicache.runtime.kv.kv_layout import KVLayout
+from hicache.runtime.kv.kv_pool import KVPool, PageIndices
 
 KEY_LIMIT = 1 << 64
 _HEX_KEY = re.compile(r"[0-9a-fA-F]{16}")

@@ -67,9 +67,9 @@ import attrs
 import numpy as np
 import trio
 
-from hicache.runtime.cluster_secret import SECRET_ENV, UntrustedSecret, ensure_secret_file
-from hicache.runtime.kv_layout import KVLayout
-from hicache.runtime.kv_pool import KVPool, PageIndices
+from hicache.runtime.kv.kv_layout import KVLayout
+from hicache.runtime.kv.kv_pool import KVPool, PageIndices
+from hicache.runtime.security.cluster_secret import SECRET_ENV, UntrustedSecret, ensure_secret_file
 from hicache.runtime.storage.base import Progress, StoreStats, check_batch, key_values
 from hicache.runtime.storage.page_index import INDEX_FILE, NoRoom, PageIndex
 

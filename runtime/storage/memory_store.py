@@ -9,8 +9,8 @@ from collections.abc import Sequence
 import numpy as np
 import trio
 
-from hicache.runtime.kv_layout import KVLayout
-from hicache.runtime.kv_pool import KVPool, PageIndices
+from hicache.runtime.kv.kv_layout import KVLayout
+from hicache.runtime.kv.kv_pool import KVPool, PageIndices
 from hicache.runtime.storage.base import Progress, StoreStats, check_batch, key_values
 
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from hicache.runtime.kv_layout import KVLayout
+from hicache.runtime.kv.kv_layout import KVLayout
 from hicache.runtime.storage.file_store import HEADER_SIZE, FileStore
 
 NIXL_REQUIREMENT = "nixl==1.5.1"

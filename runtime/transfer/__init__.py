@@ -1,7 +1,8 @@
 """Moving KV pages between nodes: a NIXL-shaped engine interface and its implementations.
 
 `TcpEngine` needs nothing but trio; `NixlEngine` wraps NIXL's UCX backend and imports `nixl` only
-when constructed.
+when constructed. It may import `security` (the TCP engine's handshake proves the cluster secret),
+never kv, storage, tp, a node or serving.
 """
 
 from hicache.runtime.transfer.base import (

@@ -105,7 +105,7 @@ class NixlEngine:
     `local_info()`: NIXL metadata includes the registrations.
     """
 
-    kind = "nixl"  # how peers name this engine (`hicache.runtime.compat`)
+    kind = "nixl"  # how peers name this engine (`hicache.runtime.wire.compat`)
 
     def __init__(
         self,

@@ -14,7 +14,7 @@ followed by `name` (name_len bytes), then, for WRITE and READ, `count` page indi
 then `notif` (notif_len bytes), then, for WRITE and READ_DATA, `count * page_bytes` page bytes.
 
 - A connection opens with a mutual challenge–response over the cluster secret
-  (`runtime/cluster_secret.py`), all of it within the handshake timeout on both sides:
+  (`runtime/security/cluster_secret.py`), all of it within the handshake timeout on both sides:
 
       initiator -> HELLO      name = name_i, notif = nonce_i (16 bytes)
       target    -> HELLO_ACK  name = name_t, notif = nonce_t (16 bytes) | MAC(acceptor, ...)
@@ -90,7 +90,7 @@ import attrs
 import numpy as np
 import trio
 
-from hicache.runtime.cluster_secret import ClusterSecret
+from hicache.runtime.security.cluster_secret import ClusterSecret
 from hicache.runtime.transfer.base import (
     MAX_NAME_BYTES,
     MAX_NOTIF_BYTES,
@@ -341,7 +341,7 @@ class TcpEngine:
     `ClusterSecret.load()`, now). Only peers known through `add_peer` may connect (module notes).
     """
 
-    kind = "tcp"  # how peers name this engine (`hicache.runtime.compat`)
+    kind = "tcp"  # how peers name this engine (`hicache.runtime.wire.compat`)
 
     def __init__(
         self,

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import trio
 
-from hicache.runtime import protocol
+from hicache.runtime.wire import protocol
 
 
 class NodeGone(protocol.ProtocolError):

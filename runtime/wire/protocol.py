@@ -7,7 +7,7 @@ allocation. Anything a peer can send ends as a `ProtocolError` (JSON nested too 
 with too many digits included), never another exception. Given the node's limits, a reader also
 cuts off a frame that does not complete within `frame_timeout` of its first byte, a connection
 silent for `idle_timeout` between frames (`IdleTimeout`), and a frame whose announced size the
-node's budget of bytes in flight cannot take (`runtime/limits.py`).
+node's budget of bytes in flight cannot take (`runtime/security/limits.py`).
 
 Clients talk to a decode node, and a decode node to its prefill node, with these frames; KV
 itself moves over a transfer engine, never here (except the optional verification tail).
@@ -66,7 +66,7 @@ class IdleTimeout(ProtocolError):
 
 
 class FrameBudget(Protocol):
-    """A node's budget of bytes for frames being received (`runtime/limits.py`'s `Gate`)."""
+    """A node's budget of bytes for frames being received (`runtime/security/limits.py`'s `Gate`)."""
 
     @property
     def small(self) -> int: ...  # frames up to this size are not counted

@@ -430,7 +430,7 @@ class LlamaModel:
         self.weights = weights
         self.eos_token_ids: frozenset[int] = frozenset(int(t) for t in eos_token_ids)
         self._inv_freq = rope_inv_freq(config)  # (head_dim / 2,), float64
-        # Tensor parallelism (`runtime/tp_model.py`): the sum over ranks of the row-split
+        # Tensor parallelism (`runtime/model/tp_model.py`): the sum over ranks of the row-split
         # o_proj and down projections' partial outputs; None on a whole model.
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.full_config: LlamaConfig = config  # the whole model's, also on a rank's part

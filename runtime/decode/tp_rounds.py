@@ -32,10 +32,10 @@ import trio
 from hicache.core import commands as cmd
 from hicache.core import events as ev
 from hicache.core.errors import CoreError
-from hicache.runtime.tp_group import TPFailure, TPGroup
+from hicache.runtime.tp.tp_group import TPFailure, TPGroup
 
 if TYPE_CHECKING:
-    from hicache.runtime.decode_node import DecodeService, _Live
+    from hicache.runtime.decode.decode_node import DecodeService, _Live
 
 EXTERNAL = (ev.RequestArrived, ev.AbortRequested, ev.EvictRequested, ev.ForgetRequested)
 COMPLETIONS = (ev.KVArrived, ev.KVFailed, ev.KVAbandoned, ev.BackupDone, ev.StoreDone)

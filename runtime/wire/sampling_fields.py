@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from hicache.runtime.llm.sampling import SamplingParams, sample
-from hicache.runtime.protocol import MessageError, show
+from hicache.runtime.model.sampling import SamplingParams, sample
+from hicache.runtime.wire.protocol import MessageError, show
 
 MAX_STOP_TOKENS = 64
 DEFAULTS: dict[str, Any] = {
@@ -87,7 +87,7 @@ def seed_for(rid: str) -> int:
 
 def draw(logits: torch.Tensor, sampling: Sequence[dict[str, Any]], positions: Sequence[int]) -> list[int]:
     """The next token of each row of `logits` (B, vocab) under its request's `check_sampling`
-    dict (`runtime/llm/sampling.py`: the same token whatever batch the request is in, and
+    dict (`runtime/model/sampling.py`: the same token whatever batch the request is in, and
     whichever node draws it). A dict without a seed draws from seed 0."""
     params = [
         SamplingParams(temperature=p["temperature"], top_p=p["top_p"], top_k=p["top_k"], seed=p["seed"] or 0)

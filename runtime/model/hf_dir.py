@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from hicache.runtime.llm.gguf_file import file_digest
-from hicache.runtime.model import LlamaConfig, LlamaWeights, RopeScaling, build_layer
+from hicache.runtime.model.gguf_file import file_digest
+from hicache.runtime.model.llama import LlamaConfig, LlamaWeights, RopeScaling, build_layer
 
 MODEL_TYPES = ("llama", "mistral", "qwen2")
 

@@ -21,8 +21,8 @@ import secrets
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from hicache.runtime import protocol
-from hicache.runtime.cluster_secret import ClusterSecret
+from hicache.runtime.security.cluster_secret import ClusterSecret
+from hicache.runtime.wire import protocol
 
 NONCE_BYTES = 16
 _INITIATOR = b"hicache-ctl-init"

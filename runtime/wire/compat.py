@@ -14,9 +14,9 @@ from typing import Any
 
 import attrs
 
-from hicache.runtime.kv_layout import KVLayout
-from hicache.runtime.model import TinyConfig
-from hicache.runtime.protocol import VERSION
+from hicache.runtime.kv.kv_layout import KVLayout
+from hicache.runtime.model.llama import TinyConfig
+from hicache.runtime.wire.protocol import VERSION
 
 FIELDS = ("protocol", "engine", "page_size", "layers", "kv_heads", "head_dim", "dtype", "model")
 

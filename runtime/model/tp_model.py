@@ -15,7 +15,7 @@ from collections.abc import Callable
 import attrs
 import torch
 
-from hicache.runtime.model import LlamaConfig, LlamaLayer, LlamaModel, LlamaWeights
+from hicache.runtime.model.llama import LlamaConfig, LlamaLayer, LlamaModel, LlamaWeights
 
 
 def check_split(config: LlamaConfig, size: int) -> str | None:

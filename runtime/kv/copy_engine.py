@@ -35,7 +35,7 @@ import numpy as np
 import torch
 import trio
 
-from hicache.runtime.kv_pool import KVPool, PageIndices
+from hicache.runtime.kv.kv_pool import KVPool, PageIndices
 
 LARGE_PAGE_BYTES = 1024 * 1024
 """Contiguous runs at least this long are copied one `copyto` per run; shorter ones go through the

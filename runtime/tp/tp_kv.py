@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 
-from hicache.runtime import protocol
-from hicache.runtime.kv_pool import KVPool
+from hicache.runtime.kv.kv_pool import KVPool
 from hicache.runtime.transfer.base import TransferEngine
+from hicache.runtime.wire import protocol
 
 
 def head_parts(staging: KVPool, engine: TransferEngine) -> dict[int, tuple[Any, torch.Tensor]]:

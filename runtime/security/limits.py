@@ -18,7 +18,7 @@ from typing import Any
 import attrs
 import trio
 
-from hicache.runtime import protocol
+from hicache.runtime.wire import protocol
 
 
 def _positive(_: Any, attribute: attrs.Attribute, value: float) -> None:

@@ -38,9 +38,9 @@ from hicache.core.pages import page_keys
 from hicache.core.pool import SlotPool
 from hicache.core.restore_cost import RestorePath, restore_pays
 from hicache.core.tree import TieredRadixTree
-from hicache.runtime.kv_layout import KVLayout
-from hicache.runtime.kv_pool import KVPool
-from hicache.runtime.model import LlamaModel, to_pages
+from hicache.runtime.kv.kv_layout import KVLayout
+from hicache.runtime.kv.kv_pool import KVPool
+from hicache.runtime.model.llama import LlamaModel, to_pages
 from hicache.runtime.storage.base import StorageBackend
 
 log = logging.getLogger("hicache.runtime.prefill")

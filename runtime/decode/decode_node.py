@@ -20,22 +20,22 @@ prefill with prefill's own digest), the digests of its final pages, and optional
 assembled KV itself.
 
 Every page received from prefill is checked against the digest prefill sent for it on the
-authenticated control connection (`runtime/peer_auth.py`): a page that differs fails its
+authenticated control connection (`runtime/security/peer_auth.py`): a page that differs fails its
 transfer, which the core retries or falls back from, and is never decoded from. With a
-`FaultSpec` the service also injects faults into its own operations (`runtime/faults.py`) and
+`FaultSpec` the service also injects faults into its own operations (`runtime/decode/faults.py`) and
 checks L2 pages against the checksums taken when they were written. A control connection to
 prefill that is lost is opened again by the next transfer, at the address `prefill_at` gives
 then (a prefill node restarted elsewhere is found there).
 
 With `--tp-size N` each rank runs this service over its part of the model and its heads of the
-KV; the ranks feed their cores in lockstep rounds (`runtime/tp_rounds.py`): `_feed` hands
+KV; the ranks feed their cores in lockstep rounds (`runtime/decode/tp_rounds.py`): `_feed` hands
 `Rounds` everything but a decode step's events, timers fire and agreements are answered there,
 and only rank 0 serves clients.
 
 Nothing a client or prefill sends stops the node: a bad frame ends its connection, a bad field
 its request, each with a reason in the log (`hicache.runtime.decode`) and, where the protocol
 allows, in an `error` answer; `Limits` bound the connections, the bytes of frames being received
-and the time a frame or an idle connection may take (`runtime/limits.py`).
+and the time a frame or an idle connection may take (`runtime/security/limits.py`).
 """
 
 from __future__ import annotations
@@ -60,11 +60,7 @@ from hicache.core.dispatch import Dispatcher
 from hicache.core.errors import CoreError
 from hicache.core.pages import namespace_seed, page_keys
 from hicache.faults import FaultSpec
-from hicache.runtime import compat, peer_auth, protocol
-from hicache.runtime.api_keys import MAX_TENANT_CHARS, OPEN, ApiKeys, Principal
-from hicache.runtime.cluster_secret import ClusterSecret
-from hicache.runtime.copy_engine import CopyEngine
-from hicache.runtime.faults import (
+from hicache.runtime.decode.faults import (
     CheckedCopies,
     FaultyStore,
     PageGuard,
@@ -72,18 +68,23 @@ from hicache.runtime.faults import (
     flip_offset,
     flip_page_byte,
 )
-from hicache.runtime.kv_digest import page_digest
-from hicache.runtime.kv_layout import KVLayout
-from hicache.runtime.kv_pool import KVPool
-from hicache.runtime.limits import Gate, Limits, peer_name
-from hicache.runtime.model import TinyModel, from_pages
-from hicache.runtime.prefill_address import PrefillAddress
-from hicache.runtime.sampling_fields import check_sampling, draw, seed_for
+from hicache.runtime.decode.tp_rounds import Rounds
+from hicache.runtime.kv.copy_engine import CopyEngine
+from hicache.runtime.kv.kv_digest import page_digest
+from hicache.runtime.kv.kv_layout import KVLayout
+from hicache.runtime.kv.kv_pool import KVPool
+from hicache.runtime.model.llama import TinyModel, from_pages
+from hicache.runtime.model.tp_model import head_range
+from hicache.runtime.security import peer_auth
+from hicache.runtime.security.api_keys import MAX_TENANT_CHARS, OPEN, ApiKeys, Principal
+from hicache.runtime.security.cluster_secret import ClusterSecret
+from hicache.runtime.security.limits import Gate, Limits, peer_name
 from hicache.runtime.storage.base import StorageBackend
-from hicache.runtime.tp_group import TPGroup
-from hicache.runtime.tp_model import head_range
-from hicache.runtime.tp_rounds import Rounds
+from hicache.runtime.tp.tp_group import TPGroup
 from hicache.runtime.transfer.base import TransferEngine
+from hicache.runtime.wire import compat, protocol
+from hicache.runtime.wire.prefill_address import PrefillAddress
+from hicache.runtime.wire.sampling_fields import check_sampling, draw, seed_for
 
 log = logging.getLogger("hicache.runtime.decode")
 MOVED = (
@@ -110,7 +111,7 @@ _CONTROL_ERRORS = (
 
 class IncompatiblePeer(protocol.ProtocolError):
     """The prefill node cannot serve this decode node: another page size, layout, model, transfer
-    engine or protocol (see `hicache.runtime.compat`)."""
+    engine or protocol (see `hicache.runtime.wire.compat`)."""
 
 
 @attrs.define(eq=False)
@@ -190,9 +191,9 @@ class DecodeService:
         against its checksum (pages received from prefill are always checked against prefill's
         digests); `limits` bound what clients may hold; `secret` (default:
         `ClusterSecret.load()`) is what the prefill node must prove it holds, and this node too;
-        `api_keys` say who clients are (None: open, see `runtime/api_keys.py`). With `tp`, this
+        `api_keys` say who clients are (None: open, see `runtime/security/api_keys.py`). With `tp`, this
         is one rank of a tensor-parallel node (`model` its part, `layout` its heads) run in
-        rounds with the others (`runtime/tp_rounds.py`); `command_log` (a text file) records
+        rounds with the others (`runtime/decode/tp_rounds.py`); `command_log` (a text file) records
         every command the core emits, for comparing ranks."""
         if layout.page_size != config.page_size:
             raise ValueError(f"layout page size {layout.page_size} != core page size {config.page_size}")
@@ -703,7 +704,7 @@ class DecodeService:
         the tick loop for the next one. A refused event changes nothing in the core, so it is
         logged and dropped (an arrival's caller asks with `refuse` to answer it instead): what a
         peer's late or doubled answer makes the driver feed never stops the node. A TP rank
-        feeds all but its decode steps' events in its next round (`runtime/tp_rounds.py`)."""
+        feeds all but its decode steps' events in its next round (`runtime/decode/tp_rounds.py`)."""
         if self.rounds is not None:
             if self.rounds.feed(event):
                 return

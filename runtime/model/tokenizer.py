@@ -18,7 +18,7 @@ from typing import Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from hicache.runtime.llm.chat_template import render_chat
+from hicache.runtime.model.chat_template import render_chat
 
 SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 

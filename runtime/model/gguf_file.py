@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hicache.runtime.model import LlamaConfig, LlamaWeights, RopeScaling, build_layer
+from hicache.runtime.model.llama import LlamaConfig, LlamaWeights, RopeScaling, build_layer
 
 # The architectures we run, and whether llama.cpp permuted their Q/K rows.
 ARCHITECTURES: dict[str, bool] = {"llama": True, "qwen2": False}

@@ -1,7 +1,7 @@
 """The prefill node: computes a prompt's KV with the model and writes the pages a decode node
 asks for straight into that node's L1 pool over the transfer engine.
 
-A decode node connects, proves that it holds the cluster secret (`runtime/peer_auth.py`; the
+A decode node connects, proves that it holds the cluster secret (`runtime/security/peer_auth.py`; the
 prefill node proves it too), says hello with its engine's `local_info()`, then sends
 `kv` requests: tokens, the range [start, end) it lacks, and the L1 pages to write them to. The
 prefill node computes the KV its own cache (`prefill_cache`: L1, L2, and the shared L3) does
@@ -22,7 +22,7 @@ can divert another's KV. Nothing a peer sends stops the node: a bad frame, or a 
 cannot address (no `tid`), ends that connection with an `error` answer and a reason in the log
 (`hicache.runtime.prefill`); a `kv` request with a bad field is answered `ok: false` with the
 reason. `Limits` bound the connections, the bytes of frames being received, and the time a
-frame or an idle connection may take (`runtime/limits.py`).
+frame or an idle connection may take (`runtime/security/limits.py`).
 """
 
 from __future__ import annotations
@@ -37,14 +37,11 @@ import numpy as np
 import torch
 import trio
 
-from hicache.runtime import compat, peer_auth, protocol
-from hicache.runtime.cluster_secret import ClusterSecret
-from hicache.runtime.kv_digest import page_digests
-from hicache.runtime.kv_layout import KVLayout
-from hicache.runtime.kv_pool import KVPool
-from hicache.runtime.limits import Gate, Limits, peer_name
-from hicache.runtime.model import LlamaModel
-from hicache.runtime.prefill_cache import (
+from hicache.runtime.kv.kv_digest import page_digests
+from hicache.runtime.kv.kv_layout import KVLayout
+from hicache.runtime.kv.kv_pool import KVPool
+from hicache.runtime.model.llama import LlamaModel
+from hicache.runtime.prefill.prefill_cache import (
     DEFAULT_CACHE_BYTES,
     LayerGroups,
     PrefillCache,
@@ -52,10 +49,14 @@ from hicache.runtime.prefill_cache import (
     Speeds,
     compute_all,
 )
-from hicache.runtime.sampling_fields import check_sampling, draw
+from hicache.runtime.security import peer_auth
+from hicache.runtime.security.cluster_secret import ClusterSecret
+from hicache.runtime.security.limits import Gate, Limits, peer_name
 from hicache.runtime.storage.base import StorageBackend
-from hicache.runtime.tp_kv import head_parts, heads_field
+from hicache.runtime.tp.tp_kv import head_parts, heads_field
 from hicache.runtime.transfer.base import MemoryRegion, Span, TransferEngine, XferHandle, XferState
+from hicache.runtime.wire import compat, protocol
+from hicache.runtime.wire.sampling_fields import check_sampling, draw
 
 
 class _PageAllocator:

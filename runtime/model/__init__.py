@@ -1,0 +1,6 @@
+"""The model (`hicache.runtime.model`): one Llama-family decoder that computes real K/V, tiny or
+real (`llama`), one rank's tensor-parallel shard of it (`tp_model`), checkpoints read from a GGUF
+file or a Hugging Face folder (`gguf_file`, `hf_dir`, both behind `loader`), tokenizers and chat
+templates (`tokenizer`, `chat_template`), and per-request sampling (`sampling`). Beside `kv`, the
+bottom of the runtime: it imports no other package of `hicache.runtime`, only the core, the shared
+modules and its libraries (torch, gguf, safetensors, tokenizers, jinja2)."""
