@@ -125,3 +125,27 @@ def test_a_replay_decides_the_same_compiled_and_in_plain_python(tmp_path: Path) 
         return {b: {k: v for k, v in s.items() if k != "wall_s"} for b, s in summary["runs"].items()}
 
     assert decisions(fast) == decisions(pure)
+
+
+# The core's property and refusal suites, run again on plain Python (in this process they run on
+# the build): a refusal, a decision or an invariant that differs between the two fails here.
+PLAIN_SUITES = (
+    "tests/test_refusals.py",
+    "tests/test_partial_failures.py",
+    "tests/test_decode_stateful.py",
+    "tests/test_tree_stateful.py",
+)
+
+
+@pytest.mark.process
+@needs_build
+def test_the_core_property_and_refusal_suites_pass_on_plain_python_too() -> None:
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *PLAIN_SUITES],
+        cwd=ROOT,
+        env={**os.environ, "HICACHE_PURE": "1"},
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+    assert " passed" in run.stdout.splitlines()[-1]

@@ -5,7 +5,15 @@ output, random suffixes), ticks, storage answers (full and capped), prefetch pro
 (complete, partial, zero), load-backs (ok and failed), prefill transfers (arrived, failed,
 abandoned while still writing; retries sent at once or after a backoff timer),
 backups, stores, timers, decode growth (retraction under pressure), finishes, aborts at any
-phase, and a shared L3 that other nodes fill and evict. Tiny pools, every policy combination.
+phase, operator evictions, and a shared L3 that other nodes fill and evict. Tiny pools, every
+policy combination.
+
+Copies of the tree fail too, one at a time or persistently: a world draws which kinds of copy
+keep failing (backups, stores, load-backs) and how long the tree's copies stay in flight, so
+backups of nested spans overlap (a turn's pages backed up while the previous turn's backup still
+runs), stores race new backups of the same pages, and twins arriving in one tick share an L2
+span and its anchor in one load-back. Under write-back with backups that always fail, the cache
+must still make room.
 
 The world models every L1/L2 slot and L3 page by the identity of the KV it holds, including the
 writes of I/O still in flight after its request ended (late transfers write their slots; torn
@@ -14,7 +22,12 @@ After every step: the core's own invariants, every page the tree holds is its ke
 world, a live request's locked L1 prefix is untouched, at most K load-back batches in flight,
 every request handed to decode has exactly the right KV (`WrongKV`) and an account adding up to
 its prompt, and a failure is only ever a transfer failure or a prompt too large for L1. At the
-end everything settles, every request is answered once, and every slot comes back.
+end everything settles, every request is answered once, nothing but the tree holds a slot,
+and every slot comes back.
+
+The world (`tests/kvworld.py`) also keeps every copy in flight until its completion: a command
+that reads a slot still being written, or writes one still being read, is a `Hazard`; and
+after every step every page the tree holds as valid on L1, L2 or L3 must hold its own bytes.
 """
 
 from __future__ import annotations
@@ -23,10 +36,11 @@ import itertools
 import random
 
 import hypothesis.strategies as st
+import pytest
 from builders import examples
 from hypothesis import HealthCheck, event, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from kvworld import World
+from kvworld import World, corrupt
 
 from hicache.core import commands as cmd
 from hicache.core import events as ev
@@ -126,6 +140,15 @@ class DecodeNodeMachine(RuleBasedStateMachine):
         self.abandoned: set[int] = set()  # transfers given up on, still writing until they end
         self.locked: dict[str, tuple[int, dict[int, object]]] = {}  # rid -> (admission, locked L1 KV)
         self.steady = True  # every step so far passed its checks (teardown then checks the end)
+        # Which kinds of copy keep failing (each completion of that kind fails), and how many
+        # `advance` rounds the tree's own copies stay in flight (long: backups of nested spans
+        # overlap, stores race the next backup).
+        kinds = st.sampled_from(["none", "none", "backup", "store", "load", "backup+store+load"])
+        self.persistent = set(data.draw(kinds, label="persistent failures").split("+")) - {"none"}
+        self.tree_age = data.draw(st.sampled_from([1, 1, 3, 6]), label="tree I/O rounds")
+        self.fail_at = data.draw(st.sampled_from(["first", "last", "random"]), label="fails at")
+        for kind in sorted(self.persistent):
+            event(f"{kind} copies keep failing under {cfg.write_policy.value}")
         if cfg.storage and data.draw(st.booleans(), label="warm L3"):
             for tokens in self.prefixes:  # other nodes served these prefixes before
                 self.world.l3.update((k, k) for k in self.world.keys_of(tokens))
@@ -203,6 +226,27 @@ class DecodeNodeMachine(RuleBasedStateMachine):
                 w.l1[s] = ("late transfer", tid)
         w.kv_arrive(tid)
 
+    def _persistent_failure(self, n: int) -> tuple[int, ...]:
+        """The failed pages of a copy of `n` pages whose kind keeps failing."""
+        if n == 0:
+            return ()
+        at = {"first": 0, "last": n - 1}.get(self.fail_at, random.Random(repr((n, self.rounds))).randrange(n))
+        return (at,)
+
+    def _backup_done(self, op: int) -> None:
+        """A backup ends as the world's failure mode says (in `advance`)."""
+        n = len(self.world.backups[op].host_slots)
+        self.world.backup_done(op, self._persistent_failure(n) if "backup" in self.persistent else ())
+
+    def _store_done(self, op: int) -> None:
+        n = len(self.world.stores[op].keys)
+        self.world.store_done(op, self._persistent_failure(n) if "store" in self.persistent else ())
+
+    def _load_done(self, op: int) -> None:
+        load = self.world.loads[op]
+        bad = self._persistent_failure(len(load.device_slots)) if "load" in self.persistent else ()
+        self.world.load_done(op, bad_pages=bad)
+
     # ------------------------------------------------------------------ the world runs on
 
     # Hypothesis favours the first rules in its order (fewest arguments first, then by name):
@@ -222,11 +266,11 @@ class DecodeNodeMachine(RuleBasedStateMachine):
         ops = [
             *((op, w.answer_query, w.queries, False) for op in w.queries),
             *((op, self._end_prefetch, w.prefetches, w.prefetches[op].req in done) for op in w.prefetches),
-            *((op, w.load_done, w.loads, set(w.loads[op].reqs) <= done) for op in w.loads),
+            *((op, self._load_done, w.loads, set(w.loads[op].reqs) <= done) for op in w.loads),
             *((tid, self._kv_arrive, w.transfers, w.transfers[tid].req in done) for tid in w.transfers),
             *((timer, w.fire_timer, w.timers, False) for timer in w.timers),
-            *((("tree", op), w.backup_done, w.backups, False) for op in w.backups),
-            *((("tree", op), w.store_done, w.stores, False) for op in w.stores),
+            *((("tree", op), self._backup_done, w.backups, False) for op in w.backups),
+            *((("tree", op), self._store_done, w.stores, False) for op in w.stores),
         ]
         only_late = all(late for *_, late in ops)
         self.rounds += 1
@@ -234,7 +278,8 @@ class DecodeNodeMachine(RuleBasedStateMachine):
         order = sorted(ops, key=lambda x: (isinstance(x[0], tuple), x[0]), reverse=newest_first)
         for op, complete, pending, late in order:
             slow = pending is w.loads or pending is w.prefetches
-            if self.aged.get(op, 0) >= 1 + slow and (only_late or not late):
+            age = self.tree_age if isinstance(op, tuple) else 1 + slow
+            if self.aged.get(op, 0) >= age and (only_late or not late):
                 key = op[1] if isinstance(op, tuple) else op
                 if key in pending:
                     complete(key)
@@ -289,6 +334,28 @@ class DecodeNodeMachine(RuleBasedStateMachine):
         suffix = _tokens(data.draw(st.integers(0, 6 * self.page), label="suffix"), ("suffix", len(self.rids)))
         limit = data.draw(st.integers(1, self.fits + self.page), label="limit")  # may not fit L1
         self._arrive((base + suffix)[:limit], data.draw(st.integers(0, 2), label="priority"))
+
+    @rule(data=st.data())
+    def arrive_twins(self, data: st.DataObject) -> None:
+        """Two requests over one prefix arrive in the same tick: admitted together, they match
+        the same L2 span (one anchor) and load it back in one LoadBack."""
+        self._begin()
+        sources = [x for x in self._sources() if x]
+        base = sources[data.draw(st.integers(0, len(sources) - 1), label="base")][: self.fits - 2 * self.page]
+        for i in range(2):
+            n = data.draw(st.integers(1, 2 * self.page), label="suffix")
+            suffix = _tokens(n, ("twin", len(self.rids), i))
+            self._arrive((base + suffix)[: self.fits], 0)
+        self.world.tick()
+
+    @rule(data=st.data())
+    def evict(self, data: st.DataObject) -> None:
+        """An operator (or memory pressure elsewhere) evicts pages from L1 and L2."""
+        self._begin()
+        w = self.world
+        l1 = data.draw(st.integers(0, self.cfg.l1_pages), label="l1 pages")
+        l2 = data.draw(st.integers(0, self.cfg.l2_pages), label="l2 pages")
+        w.feed(ev.EvictRequested(w.now, l1, l2))
 
     @precondition(lambda self: self._running())
     @rule(data=st.data())
@@ -361,6 +428,7 @@ class DecodeNodeMachine(RuleBasedStateMachine):
         key = _pick(data, wanted if wanted and data.draw(st.booleans(), label="wanted") else w.l3, "key")
         del w.l3[key]
         self.l3_dropped.add(key)
+        w.l3_lost.add(key)
 
     @precondition(lambda self: self.world.prefetches)
     @rule(data=st.data())
@@ -401,12 +469,20 @@ class DecodeNodeMachine(RuleBasedStateMachine):
         load = self.world.loads[op]
         failed: list[str] = []
         bad: list[int] = []
-        kind = data.draw(st.integers(0, 3), label="fail")
+        kind = data.draw(st.integers(0, 4), label="fail")
         if kind == 0:
             failed = data.draw(st.lists(st.sampled_from(load.reqs), min_size=1, unique=True), label="failed")
         elif kind == 1 and load.device_slots:
             pages = st.integers(0, len(load.device_slots) - 1)
             bad = data.draw(st.lists(pages, min_size=1, max_size=3, unique=True), label="bad pages")
+        elif kind == 2:  # each entry from a page of its own on (entries may share one L2 span)
+            start = 0
+            for entry in load.entries:
+                n = len(entry.device_slots)
+                first = data.draw(st.integers(0, n), label="entry's first bad page")
+                if first < n:
+                    bad.append(start + first)
+                start += n
         self.world.load_done(op, tuple(failed), bad_pages=tuple(bad))
 
     @precondition(lambda self: self.world.transfers)
@@ -502,7 +578,9 @@ class DecodeNodeMachine(RuleBasedStateMachine):
                 for i, h in enumerate(r.host_slots_l2):
                     assert self.core.host_pool.owner_of(h) == "tree", f"{rid}: pinned slot {h} left the tree"
                     truth = r.keys[r.device_pages + i]
-                    assert w.l2[h] == truth, f"{rid}: pinned L2 slot {h} holds {w.l2[h]!r}, truth {truth}"
+                    # Or found bad by another request's load-back: this one's load reads it as bad too.
+                    ok = w.l2[h] == truth or corrupt(w.l2[h])
+                    assert ok, f"{rid}: pinned L2 slot {h} holds {w.l2[h]!r}, truth {truth}"
 
     def _check_command(self, c: cmd.Command) -> None:
         """Every write a command asks for goes to slots its owner holds: a transfer, prefetch or
@@ -516,9 +594,15 @@ class DecodeNodeMachine(RuleBasedStateMachine):
             owners = {("req", rid) for rid in c.reqs}
             assert all(dev(s) in owners for s in c.device_slots), c
             assert all(host(h) in owners or host(h) == "tree" for h in c.host_slots), c
+            if len(set(c.host_slots)) < len(c.host_slots):
+                event("one load-back reads an L2 span for two requests")
         elif isinstance(c, cmd.Backup):
             assert all(dev(s) == "tree" for s in c.device_slots), c
             assert all(host(h) == "tree" for h in c.host_slots), c
+            if self.world.backups:
+                event("a backup starts while another runs")
+            if self.world.stores:
+                event("a backup starts while a store runs")
         elif isinstance(c, cmd.Store):
             assert all(host(h) == "tree" for h in c.host_slots), c
         elif isinstance(c, cmd.StartDecode):
@@ -567,6 +651,7 @@ class DecodeNodeMachine(RuleBasedStateMachine):
         assert len(self.world.loads) <= self.cfg.load_batches_in_flight, "too many load-back batches"
         assert not self.world.agrees, "a single rank never asks for an agreement"
         self._check_tree_contents()
+        self.world.check_tiers()
         self._check_locked()
         self._check_outcomes()
         self.steady = True
@@ -579,6 +664,9 @@ class DecodeNodeMachine(RuleBasedStateMachine):
             self._end_prefetch(op, len(w.prefetches[op].keys))
         w.settle()
         assert core.idle
+        audit = core.audit()
+        assert audit["l1_leaked"] == audit["l2_leaked"] == 0, f"slots held after the drain: {audit}"
+        assert not w.flight, f"I/O still in flight after the drain: {sorted(w.flight)}"
         assert set(w.outcomes) == set(core.requests)
         for rid, r in core.requests.items():
             assert r.state.terminal and w.outcomes[rid][0] == OUTCOME[r.state], (rid, r.state)
@@ -587,24 +675,26 @@ class DecodeNodeMachine(RuleBasedStateMachine):
         self._check_tree_contents()
         assert not core.tree.live_locks and not core.tree.live_pins
         assert core.reserved == 0
-        # Evict everything: every slot must come back (write-back frees one level per round).
+        # Evict everything: every slot must come back (write-back frees one level per round),
+        # also while the copies that kept failing go on failing.
         for _ in range(100):
             if core.tree.num_nodes == 0:
                 break
             w.feed(ev.EvictRequested(w.now, 10**9))
             while w.backups or w.stores:
                 for op in sorted(w.backups):
-                    w.backup_done(op)
+                    self._backup_done(op)
                 for op in sorted(w.stores):
-                    w.store_done(op)
+                    self._store_done(op)
             w.feed(ev.EvictRequested(w.now, 0, 10**9))
+            w.check_tiers()
         core.check()
         assert core.tree.num_nodes == 0
         assert core.device_pool.num_free == core.device_pool.capacity, "L1 slots leaked"
         assert core.host_pool.num_free == core.host_pool.capacity, "L2 slots leaked"
 
 
-TestDecodeNode = DecodeNodeMachine.TestCase
+TestDecodeNode = pytest.mark.slow(DecodeNodeMachine.TestCase)
 TestDecodeNode.settings = settings(
     max_examples=examples(1000),
     stateful_step_count=40,

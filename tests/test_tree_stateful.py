@@ -296,7 +296,7 @@ class TieredTreeMachine(RuleBasedStateMachine):
         assert self.host.num_free == self.host.capacity
 
 
-TestTieredTree = TieredTreeMachine.TestCase
+TestTieredTree = pytest.mark.slow(TieredTreeMachine.TestCase)
 TestTieredTree.settings = settings(
     max_examples=examples(300),
     stateful_step_count=50,

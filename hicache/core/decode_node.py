@@ -79,7 +79,7 @@ from hicache.core.promise import choose_parts
 from hicache.core.receipts import HostPin, LockReceipt
 from hicache.core.request import Request
 from hicache.core.states import TRANSITIONS, Decision, State, Trigger, trigger_name
-from hicache.core.tree import TREE, TieredRadixTree, first_failed
+from hicache.core.tree import TREE, TieredRadixTree, failed_pages
 from hicache.core.value import Value
 
 
@@ -236,6 +236,15 @@ class DecodeNodeCore:
         handler = self._handlers.get(type(event))
         if handler is None:
             raise CoreError(f"unknown event {event!r}")
+        for name, kind in ev.FIELD_TYPES[type(event)]:
+            value: object = getattr(event, name)
+            if not (
+                isinstance(value, str)
+                if kind == ev.STR
+                else isinstance(value, int) and not isinstance(value, bool)
+            ):
+                what = "a string" if kind == ev.STR else "an integer"
+                raise CoreError(f"{type(event).__name__}: {name} must be {what}, got {value!r}")
         at = event.at
         if (
             at.__class__ is not float
@@ -247,7 +256,7 @@ class DecodeNodeCore:
         self.now = max(self.now, at)
         try:
             handler(event)
-        except CoreError:
+        except Exception:  # a CoreError changed nothing; anything else is a bug, but keep the clock
             self.now = before
             raise
         self._collect_tree()
@@ -680,9 +689,9 @@ class DecodeNodeCore:
         if load is None:
             raise CoreError(f"LoadDone: no load-back #{e.op} is in flight")
         advance(LOAD, load.phase, ev.LoadDone, "", f"load-back #{e.op}")
-        first_failed(e.failed, sum(len(x.host_slots) for x in load.entries), f"LoadDone #{e.op}")
+        total = sum(len(x.host_slots) for x in load.entries)
+        bad = sorted(set(failed_pages(e.failed, total, f"LoadDone #{e.op}")))
         load.move(ev.LoadDone)
-        bad = sorted(set(e.failed))
         start = 0
         for i, entry in enumerate(load.entries):
             n = len(entry.host_slots)
@@ -720,6 +729,14 @@ class DecodeNodeCore:
         load.move(Step.END)
         del self._loads[load.op]
         page = self.cfg.page_size
+        # Bad L2 pages leave the tree first, while every entry's pin still holds its span: two
+        # entries may share an anchor, which the first drop cuts out of the tree.
+        for i, entry in enumerate(load.entries):
+            n = len(entry.host_slots)
+            good = min(first_bad.get(i, n), n)
+            if good < n and entry.from_l2 and entry.anchor is not None:
+                self.stats.bad_l2_pages += 1
+                self.tree.drop_host(entry.anchor, entry.first_page + good, entry.host_slots[good])
         for i, entry in enumerate(load.entries):
             n = len(entry.host_slots)
             good = min(first_bad.get(i, n), n)
@@ -738,11 +755,7 @@ class DecodeNodeCore:
                     self.host_pool.free(entry.host_slots, r.owner)
                     r.prefetch_slots = []
                 r.loads -= 1
-            if good < n and entry.from_l2 and entry.anchor is not None:
-                self.stats.bad_l2_pages += 1
-                self.tree.drop_host(entry.anchor, entry.first_page + good)
-            if not entry.orphaned:
-                self._maybe_ready(self.requests[entry.req])
+                self._maybe_ready(r)
         if load.claims_device:
             self.device_pool.free(load.claims_device, ("op", load.op))
         if load.claims_host:

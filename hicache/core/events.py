@@ -241,3 +241,30 @@ SHARED: tuple[type, ...] = (
 
 RANK_LOCAL: tuple[type, ...] = (StorageQueried, PrefetchProgress, PrefetchDone, LoadDone)
 """Events that may differ between ranks: the core acts on them only through agreements."""
+
+# The fields the core finds things by or counts with, per event: "int" for an id or a count
+# (never a bool: True == 1 would name command #1), "str" for a request or a reason. The core
+# checks them before any handler runs (`DecodeNodeCore.handle`), so a value of another type is
+# refused by name, the same way by the compiled build and by plain Python, before anything
+# changes; the handlers check the values (ranges, which ids are in flight).
+INT, STR = "int", "str"
+FIELD_TYPES: dict[type, tuple[tuple[str, str], ...]] = {
+    RequestArrived: (("req", STR), ("prompt_len", INT), ("priority", INT)),
+    Tick: (),
+    StorageQueried: (("op", INT),),
+    PrefetchProgress: (("op", INT), ("pages", INT)),
+    PrefetchDone: (("op", INT), ("pages", INT)),
+    LoadDone: (("op", INT),),
+    BackupDone: (("op", INT),),
+    StoreDone: (("op", INT),),
+    KVArrived: (("req", STR), ("transfer", INT)),
+    KVFailed: (("req", STR), ("transfer", INT), ("reason", STR)),
+    KVAbandoned: (("req", STR), ("transfer", INT), ("reason", STR)),
+    TimerFired: (("timer", INT),),
+    Decoded: (("req", STR), ("tokens", INT)),
+    Finished: (("req", STR),),
+    AbortRequested: (("req", STR), ("reason", STR)),
+    Agreed: (("agreement", INT),),
+    EvictRequested: (("l1_pages", INT), ("l2_pages", INT)),
+    ForgetRequested: (("req", STR),),
+}

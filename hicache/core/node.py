@@ -7,9 +7,11 @@ class TreeNode:
     """A run of consecutive pages identified by their chained page keys.
 
     `device` / `host` hold one slot per page in L1 / L2, or None when the tier does not hold
-    the run. `host_pending` marks host slots whose copy from L1 is still in flight (not yet
-    valid as a source). `lock_ref` protects the L1 slots of this node (every lock covers the
-    path from its node to the root); `host_ref` protects the L2 slots the same way.
+    the run. `host_op` names the backup still writing the node's host slots (0 once the copy is
+    valid as a source): a backup's end validates only the slots it wrote itself, never those a
+    newer backup writes after the older one's slots were given up. `lock_ref` protects the L1
+    slots of this node (every lock covers the path from its node to the root); `host_ref`
+    protects the L2 slots the same way.
 
     Keys and slots are tuples of ints: the garbage collector stops scanning a tuple of ints
     after its first collection, where it would walk every element of a list on every one.
@@ -22,7 +24,7 @@ class TreeNode:
         "children",
         "device",
         "host",
-        "host_pending",
+        "host_op",
         "in_l3",
         "lock_ref",
         "host_ref",
@@ -33,6 +35,7 @@ class TreeNode:
         "dev_children",
         "ops",
         "evict_after_backup",
+        "write_back_failed",
         "l1_ver",
         "l2_ver",
         "l1_queued",
@@ -47,7 +50,7 @@ class TreeNode:
         self.children: dict[int, TreeNode] = {}
         self.device: tuple[int, ...] | None = None
         self.host: tuple[int, ...] | None = None
-        self.host_pending = False
+        self.host_op = 0
         self.in_l3 = False
         self.lock_ref = 0
         self.host_ref = 0
@@ -60,11 +63,19 @@ class TreeNode:
         # more object for the garbage collector to scan per node, and a node has few.
         self.ops: tuple[int, ...] = ()
         self.evict_after_backup = False
+        # Its write-back backup failed: evicted again, it is dropped instead of backed up anew,
+        # so L2 copies that keep failing cost misses, never an L1 that cannot be freed.
+        self.write_back_failed = False
         self.l1_ver = 0  # bumped on every L1 eviction-heap push; stale heap entries are skipped
         self.l2_ver = 0
         self.l1_queued = False  # the entry of version l1_ver is in the L1 heap, not yet popped
         self.l2_queued = False
         self.detached = False  # cut from the tree (bad L2 copy) while a pin or an op still held it
+
+    @property
+    def host_pending(self) -> bool:
+        """Whether the host slots are still being written (not yet a valid source)."""
+        return self.host_op != 0
 
     def __repr__(self) -> str:
         tiers = "".join(t for t, on in (("D", self.device), ("H", self.host)) if on is not None)

@@ -454,7 +454,11 @@ class TieredRadixTree:
                 self._demote(node)
                 demoted.append(node.keys)
                 freed += size
-            elif self.write_policy is WritePolicy.WRITE_BACK and self._backup_path(node):
+            elif (
+                self.write_policy is WritePolicy.WRITE_BACK
+                and not node.write_back_failed
+                and self._backup_path(node)
+            ):
                 node.evict_after_backup = True
                 pending += size
             else:
@@ -495,7 +499,7 @@ class TieredRadixTree:
             node.device is not None
             and node.lock_ref == 0
             and node.dev_children == 0
-            and not node.host_pending
+            and node.host_op == 0
             and node.parent is not None
             # Dropping it would take it out of the tree under an operation (a store still
             # reading its retired L2 copy): it waits for the operation to end.
@@ -588,17 +592,21 @@ class TieredRadixTree:
             size = len(n.keys)
             n.host = host_slots[start : start + size]
             start += size
-            n.host_pending = True
+            n.host_op = op
             n.ops += (op,)
             device.extend(n.device)  # type: ignore[arg-type]  # unbacked nodes are on L1
         self._op_nodes[op] = chain
         self.outbox.append(Backup(op, tuple(device), host_slots))
         return True
 
-    def backup_done(self, op: int, failed: Sequence[int] = ()) -> BackupResult:
+    def backup_done(self, op: int, failed: object = ()) -> BackupResult:
         """A `Backup` ended: its L2 copies are valid, and write-back victims leave L1. From the
         first failed page on (`failed`: indices into the command's pages) nothing of it is kept
-        on L2, nor anything below it in the tree: L2 copies must stay root-connected."""
+        on L2, nor anything below it in the tree: L2 copies must stay root-connected.
+
+        Only the slots this backup wrote are its to validate or give up: a node whose copy was
+        given up while it ran (a failure above it) and then backed up anew holds another
+        backup's slots, which this end says nothing about."""
         nodes = self._op_nodes.get(op)
         if op in self._store_ops or nodes is None:
             raise CoreError(f"backup_done: no backup #{op} is in flight")
@@ -608,39 +616,46 @@ class TieredRadixTree:
         del self._op_nodes[op]
         keys: list[int] = []
         good: list[TreeNode] = []
+        mine: list[TreeNode] = []  # the nodes whose slots this backup wrote, root side first
         start = 0
         for n in nodes:
             n.ops = _without(n.ops, op)
             if self._retired:
                 self._free_retired_if_idle(n)  # an earlier L2 copy given up while this op ran
             size = len(n.keys)
-            if n.host is None:  # its L2 copy was given up while the copy ran
+            if n.host is None or n.host_op != op:  # its copy from this op was given up meanwhile
                 self._queue_l1(n)  # it may have waited for this op to end
             elif start + size <= first_bad:
-                n.host_pending = False
+                n.host_op = 0
                 keys.extend(n.keys)
                 good.append(n)
+                mine.append(n)
                 self._queue_l1(n)
             elif start < first_bad:  # the failure falls inside this node: keep its upper part
                 upper = self._split(n, first_bad - start)
-                upper.host_pending = False
+                upper.host_op = 0
                 keys.extend(upper.keys)
                 good.append(upper)
+                mine += (upper, n)
                 self._queue_l1(upper)
+            else:
+                mine.append(n)
             start += size
+        for n in good:
+            n.write_back_failed = False
         self.stats.backed_up += len(keys)
         if first_bad < total:
-            bad = [n for n in nodes if n.host is not None and n.host_pending]
-            for n in bad:
-                self.stats.backup_failed += self._drop_host_below(n)
+            for n in mine:
+                if n.host is not None and n.host_op == op:  # not dropped with a node above it
+                    self.stats.backup_failed += self._drop_host_below(n)
         demoted: list[int] = []
-        for n in reversed(nodes):  # deepest first: a parent is a leaf once its child is demoted
-            if n.evict_after_backup and n.host is not None and self._l1_evictable(n):
+        for n in reversed(mine):  # deepest first: a parent is a leaf once its child is demoted
+            if not n.evict_after_backup:
+                continue
+            n.evict_after_backup = False
+            if n.host is not None and self._l1_evictable(n):
                 self._demote(n)
                 demoted.extend(n.keys)
-            if n.evict_after_backup and n.host is None:
-                self._queue_l1(n)  # its backup failed: back in line (dropped if evicted again)
-            n.evict_after_backup = False
         if self.store_to_l3:
             self._store([n for n in good if not n.in_l3])
         return BackupResult(keys, demoted)
@@ -659,6 +674,9 @@ class TieredRadixTree:
             if n.device is not None:
                 stack.extend(n.children.values())
                 self._retire_host(n)
+                if n.evict_after_backup:  # its write-back copy is gone: dropped when evicted again
+                    n.evict_after_backup = False
+                    n.write_back_failed = True
                 self._queue_l1(n)  # no backup in flight any more: evictable again (by dropping)
             else:
                 gone += self._cut_out(n)
@@ -693,7 +711,7 @@ class TieredRadixTree:
         slots = node.host
         assert slots is not None
         node.host = None
-        node.host_pending = False
+        node.host_op = 0
         if node.ops or node.host_ref:  # a copy or a load may still use them
             self._retired.setdefault(node, []).append(slots)
         else:
@@ -709,18 +727,24 @@ class TieredRadixTree:
         for slots in self._retired.pop(node):
             self.host_pool.free(slots, TREE, checked=True)
 
-    def drop_host(self, node: TreeNode, page: int) -> int:
+    def drop_host(self, node: TreeNode, page: int, slot: int = -1) -> int:
         """The L2 copy of page `page` (counted from the root) on the path to `node` is bad: the
         tree stops holding it, and every L2 copy below it, so no match reads it again. Nodes on
         L2 only leave the tree; slots that pins or operations still use are freed when they let
-        go. Returns the pages whose L2 copy was dropped (0 if it was dropped already)."""
+        go. With `slot` (the L2 slot the bad copy was read from), a page whose copy has been
+        given up and made anew in another slot keeps the new one. Returns the pages whose L2
+        copy was dropped (0 if it was dropped already).
+
+        `node` may have been cut out since it was pinned (a bad page above it, reported
+        earlier): its path still leads to the root through the parent links that its pin keeps,
+        and the pages above the cut are still in the tree."""
         path: list[TreeNode] = []
         n = node
         while n is not self.root:
-            if n.detached or n.parent is None:
-                return 0  # cut out already
+            if n.parent is None:
+                return 0  # left the tree with nothing holding it: nothing of it is on L2
             path.append(n)
-            n = n.parent  # type: ignore[assignment]
+            n = n.parent
         start = 0
         for n in reversed(path):
             size = len(n.keys)
@@ -729,8 +753,10 @@ class TieredRadixTree:
             start += size
         else:
             raise CoreError(f"drop_host: page {page} lies below {node!r}")
-        if n.host is None:
-            return 0
+        if n.detached or n.host is None:
+            return 0  # cut out, or its L2 copy given up, already
+        if slot >= 0 and n.host[page - start] != slot:
+            return 0  # the copy read was given up; this one was made anew since
         if page > start:
             self._split(n, page - start)  # the upper part keeps its copy; `n` is the lower one
         dropped = self._drop_host_below(n)
@@ -757,15 +783,14 @@ class TieredRadixTree:
         self._store_ops.add(op)
         self.outbox.append(Store(op, tuple(keys), tuple(host)))
 
-    def store_done(self, op: int, failed: Sequence[int] = ()) -> list[int]:
+    def store_done(self, op: int, failed: object = ()) -> list[int]:
         """A `Store` ended: its pages are in L3 except `failed` (indices into the command's
         pages). Returns the keys now in L3."""
         if op not in self._store_ops:
             raise CoreError(f"store_done: no store #{op} is in flight")
         nodes = self._path_order(self._op_nodes[op])
         total = sum(len(n.keys) for n in nodes)
-        first_failed(failed, total, f"store_done #{op}")
-        bad = set(failed)
+        bad = set(failed_pages(failed, total, f"store_done #{op}"))
         self._store_ops.discard(op)
         del self._op_nodes[op]
         keys: list[int] = []
@@ -846,7 +871,7 @@ class TieredRadixTree:
         if node.host is not None:
             new.host = node.host[:k]
             node.host = node.host[k:]
-        new.host_pending = node.host_pending
+        new.host_op = node.host_op
         new.in_l3 = node.in_l3
         new.lock_ref = node.lock_ref
         new.host_ref = node.host_ref
@@ -854,6 +879,7 @@ class TieredRadixTree:
         new.last_access = node.last_access
         new.priority = node.priority
         new.evict_after_backup = node.evict_after_backup
+        new.write_back_failed = node.write_back_failed
         new.ops = node.ops
         for op in node.ops:
             self._op_nodes[op].append(new)
@@ -999,10 +1025,14 @@ class TieredRadixTree:
             return "on L1 below a parent that is not"
         if n.host is not None and parent is not self.root and parent.host is None:
             return "on L2 below a parent that is not"
-        if n.host_pending and n.device is None:
+        if n.host_op and n.host is None:
+            return f"backup #{n.host_op} pending without L2 slots"
+        if n.host_op and n.device is None:
             return "backup pending without its L1 source"
-        if n.host_pending and not n.ops:
-            return "backup pending without a backup in flight"
+        if n.host_op and (n.host_op not in n.ops or n.host_op in self._store_ops):
+            return f"backup #{n.host_op} pending but not in flight over it"
+        if n.evict_after_backup and not n.host_op:
+            return "waits to leave L1 after a backup that is not in flight"
         if n.lock_ref != lock_expect.get(n.id, 0):
             return f"lock_ref {n.lock_ref}, receipts say {lock_expect.get(n.id, 0)}"
         if n.host_ref != pin_expect.get(n.id, 0):
@@ -1034,14 +1064,26 @@ def _claim(slots: tuple[int, ...], seen: set[int], name: str) -> str | None:
     raise AssertionError("unreachable: a repeated slot was found above")
 
 
-def first_failed(failed: Sequence[int], total: int, what: str) -> int:
-    """The first failed page of an operation over `total` pages (`total` when none failed);
-    `CoreError` naming `what` when a failed page is not one of them."""
-    if not failed:
-        return total
-    if any(not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < total for i in failed):
-        raise CoreError(f"{what}: failed pages {list(failed)!r} outside [0, {total})")
-    return min(failed)
+def failed_pages(failed: object, total: int, what: str) -> list[int]:
+    """The failed pages of an operation over `total` pages, checked: `CoreError` naming `what`
+    unless `failed` is a tuple or list of page indices in [0, total). Typed `object`: a
+    completion comes from a driver, and the compiled build must refuse a string, a float or a
+    bool exactly as plain Python does, before anything changes."""
+    if not isinstance(failed, tuple | list):
+        raise CoreError(f"{what}: failed pages must be a tuple of page indices, got {failed!r}")
+    pages: list[int] = []
+    for x in failed:
+        page: object = x
+        if not isinstance(page, int) or isinstance(page, bool) or not 0 <= page < total:
+            raise CoreError(f"{what}: failed pages {list(failed)!r} outside [0, {total}) or not integers")
+        pages.append(page)
+    return pages
+
+
+def first_failed(failed: object, total: int, what: str) -> int:
+    """The first failed page (checked as `failed_pages` does), or `total` when none failed."""
+    pages = failed_pages(failed, total, what)
+    return min(pages) if pages else total
 
 
 def _without(ops: tuple[int, ...], op: int) -> tuple[int, ...]:
