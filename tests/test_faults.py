@@ -473,7 +473,7 @@ async def test_transfer_faults_within_the_retries_still_finish_bit_exactly(tmp_p
         assert Counter(service.audit()["faults_injected"]) == Counter(f"transfer.{k}" for k in kinds)
         caught = service.audit()["faults_caught"]
         assert caught["received_page_rejected"] == kinds.count("corrupt")
-        assert service._prefill_gen == 1 + kinds.count("peer_death")  # a new control connection each
+        assert service.link.generation == 1 + kinds.count("peer_death")  # a new control connection each
         stats = await client.stats()
         assert stats["transfer_retries"] == len(kinds) - kinds.count("delay")
         await assert_nothing_held(service, client)

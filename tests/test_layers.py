@@ -11,7 +11,9 @@ Bottom to top, each layer imports only itself and the layers below it:
 
 Inside runtime/, packages by job, bottom to top (RUNTIME_PACKAGES): each imports itself and the
 packages its row names, never one above it, so there is no circle; the modules at runtime/'s top
-level wire the packages together, may import any of them, and no package imports them.
+level wire the packages together, may import any of them, and no package imports them. Nor do
+runtime's modules import one another in a circle (a part of the decode node never imports the
+service that composes it).
 
 Everywhere: no relative imports, and no bare sim/runtime/scenarios (they install as hicache.*).
 Every .py file under hicache/, sim/, runtime/ and scenarios/ must fall in one of these layers.
@@ -190,9 +192,37 @@ def runtime_package_imports(root: Path) -> dict[tuple[str, str], str]:
     return edges
 
 
-def circles(edges: Mapping[tuple[str, str], str]) -> list[str]:
-    """One line per circle of imports between packages (per group of packages that all reach one
-    another), naming a shortest way round and where each of its imports is."""
+def runtime_module_imports(root: Path) -> dict[tuple[str, str], str]:
+    """(module, module it imports) -> where it first does (file:line), over runtime's modules
+    (files); `from hicache.runtime.decode import feed` counts as importing runtime/decode/feed.py."""
+    edges: dict[tuple[str, str], str] = {}
+    for path in sorted(root.glob("runtime/**/*.py")):
+        rel = path.relative_to(root).as_posix()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names = [f"{node.module}.{a.name}" for a in node.names]
+            else:
+                continue
+            for name in names:
+                parts = name.split(".")
+                if parts[:2] != ["hicache", "runtime"]:
+                    continue
+                for end in range(len(parts), 2, -1):  # the longest prefix that is a file
+                    target = root.joinpath("runtime", *parts[2:end]).with_suffix(".py")
+                    if target.is_file():
+                        other = target.relative_to(root).as_posix()
+                        if other != rel:
+                            edges.setdefault((rel, other), f"{rel}:{node.lineno}")
+                        break
+    return edges
+
+
+def circles(edges: Mapping[tuple[str, str], str], between: str = "runtime's packages") -> list[str]:
+    """One line per circle of imports between packages (or modules: `between` says which; per
+    group of them that all reach one another), naming a shortest way round and where each of its
+    imports is."""
     graph: dict[str, set[str]] = {}
     for a, b in edges:
         graph.setdefault(a, set()).add(b)
@@ -233,7 +263,7 @@ def circles(edges: Mapping[tuple[str, str], str]) -> list[str]:
             way.append(back[way[-1]])
         way.reverse()  # start -> ... -> n -> start
         hops = [edges[(a, b)] for a, b in zip(way, way[1:], strict=False)]
-        out.append(f"import circle between runtime's packages: {' -> '.join(way)} ({', '.join(hops)})")
+        out.append(f"import circle between {between}: {' -> '.join(way)} ({', '.join(hops)})")
     return out
 
 
@@ -274,6 +304,26 @@ def test_runtime_packages_have_no_import_circle() -> None:
     table = {(a, b): "RUNTIME_PACKAGES" for a, allowed in RUNTIME_PACKAGES.items() for b in allowed}
     assert circles(table) == []
     assert circles(runtime_package_imports(ROOT)) == []
+
+
+def test_runtime_modules_have_no_import_circle() -> None:
+    """Nor do runtime's modules, within a package or across: a part of the decode node never
+    imports the service that composes it (`runtime/decode/decode_node.py`)."""
+    assert circles(runtime_module_imports(ROOT), "runtime's modules") == []
+
+
+def test_a_module_import_circle_is_found(tmp_path: Path) -> None:
+    for where, line in (
+        ("runtime/decode/a.py", "from hicache.runtime.decode.b import X"),
+        ("runtime/decode/b.py", "from hicache.runtime.decode import a"),
+    ):
+        (tmp_path / where).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / where).write_text(line + "\n")
+    found = circles(runtime_module_imports(tmp_path), "runtime's modules")
+    assert found == [
+        "import circle between runtime's modules: runtime/decode/a.py -> runtime/decode/b.py -> "
+        "runtime/decode/a.py (runtime/decode/a.py:1, runtime/decode/b.py:1)"
+    ], found
 
 
 def test_every_runtime_package_has_a_rule() -> None:

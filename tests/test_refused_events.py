@@ -29,7 +29,7 @@ async def test_refused_events_are_logged_and_the_node_serves_on(
             ev.LoadDone(now, 10**6),  # a load-back that is not in flight
             ev.Finished(now, "before"),  # a second end of a request that ended
         ):
-            pair.service._feed(event)
+            pair.service.feed.put(event)
         assert pair.service.audit()["refused_events"] == 3
         assert sum("the core refused" in r.getMessage() for r in caplog.records) == 3
         assert (await turn(pair.client, pair.ledger, "after", prompt(2)))["outcome"] == "finished"

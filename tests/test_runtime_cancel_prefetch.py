@@ -110,7 +110,7 @@ async def test_cancel_prefetch_stops_the_read_and_reports_only_pages_that_landed
     store = SlowStore(inner, gated=True)
     service = DecodeService(config, model, layout, store, TcpEngine())
     fed: list[ev.Event] = []
-    service._feed = fed.append  # type: ignore[method-assign]  # no core: only the executor runs
+    service.feed.put = fed.append  # type: ignore[method-assign]  # no core: only the executor runs
     slots = (9, 3, 12, 0, 5, 7)
     l2 = service.l2.bytes_view().numpy()
     try:
@@ -139,7 +139,7 @@ async def test_cancel_prefetch_stops_the_read_and_reports_only_pages_that_landed
     assert np.array_equal(l2, after_done)  # not a byte landed after PrefetchDone
     assert np.array_equal(l2[list(slots[:3])], data[:3])
     assert not l2[list(slots[3:])].any()
-    assert service._prefetches == {}
+    assert service.restores.prefetches == {}
 
 
 async def test_a_cancel_before_the_read_starts_reads_nothing() -> None:
@@ -151,7 +151,7 @@ async def test_a_cancel_before_the_read_starts_reads_nothing() -> None:
     config = DecodeConfig(l1_pages=8, l2_pages=8, page_size=PAGE)
     service = DecodeService(config, model, layout, store, TcpEngine())
     fed: list[ev.Event] = []
-    service._feed = fed.append  # type: ignore[method-assign]
+    service.feed.put = fed.append  # type: ignore[method-assign]
     async with trio.open_nursery() as nursery:
         service._nursery = nursery
         service.dispatch.handlers[cmd.Prefetch](cmd.Prefetch(5, "r", (1, 2), (0, 1)))
@@ -232,7 +232,7 @@ async def test_the_timeout_policy_cancels_a_slow_prefetch_and_the_node_goes_on(t
             prefetches.append(c)
             start_prefetch(c)
 
-        feed = service._feed
+        feed = service.feed.put
 
         def spy_feed(e: ev.Event, **kw: bool) -> None:
             if isinstance(e, ev.PrefetchDone):
@@ -240,7 +240,7 @@ async def test_the_timeout_policy_cancels_a_slow_prefetch_and_the_node_goes_on(t
             feed(e, **kw)
 
         execute[cmd.Prefetch] = spy_prefetch
-        service._feed = spy_feed  # type: ignore[method-assign]
+        service.feed.put = spy_feed  # type: ignore[method-assign]
         began = trio.current_time()
         second = first + reply["tokens"] + prompt(2, 20)
         reply = await turn(client, pair.ledger, "b", second)  # waits for the node to be idle

@@ -23,12 +23,12 @@ from hypothesis import given, settings
 
 from hicache.core import events as ev
 from hicache.core.pages import namespace_seed, page_keys
-from hicache.runtime.decode.tp_rounds import Rounds
 from hicache.runtime.launch import NodeProcess, start_node
 from hicache.runtime.model.llama import TinyConfig, TinyModel
 from hicache.runtime.model.tp_model import check_split, head_range
 from hicache.runtime.storage.file_store import SUFFIX
 from hicache.runtime.tp.tp_kv import heads_field
+from hicache.runtime.tp.tp_rounds import Rounds
 from hicache.runtime.verify import KVLedger
 from hicache.runtime.wire import protocol
 from hicache.runtime.wire.client import DecodeClient
@@ -222,7 +222,7 @@ class _Fed:
     def __init__(self, size: int) -> None:
         self.size, self.rank, self.events = size, 0, []
 
-    def _feed_now(self, event: object, **_: object) -> None:
+    def put_now(self, event: object, **_: object) -> None:
         self.events.append(event)
 
 
@@ -248,7 +248,7 @@ def test_a_completion_is_fed_once_every_rank_reported_it_merged_as_the_worst(
     abandoned (then settled, once every abandoning rank settled) if one rank abandoned it; a
     store failed the pages any rank failed."""
     fed = _Fed(size)
-    rounds = Rounds(fed, fed)  # type: ignore[arg-type]
+    rounds = Rounds(fed, fed, {}, None, tick_interval=0.0)  # type: ignore[arg-type]
     reports: dict[int, list[tuple[int, tuple[str, int], tuple]]] = {}
     for op, (kind, per_rank) in enumerate(ops):
         for rank in range(size):

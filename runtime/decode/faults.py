@@ -13,7 +13,8 @@ files and connections:
 - Copies (`CheckedCopies`, around the `CopyEngine`): a load-back copies nothing or a prefix, or
   reads an L2 page with a flipped byte; a backup copies nothing or a prefix, or leaves a flipped
   byte in an L2 page after it completed.
-- Transfers and timers are hooked in the decode service (it owns the control connection).
+- Transfers and timers: `InjectedFaults` (`runtime/decode/injected.py`), hooks the transfer and
+  timer code always calls (`FaultHooks` without a spec).
 
 Corruption has to be caught by a layer that saw the bytes before they went bad:
 

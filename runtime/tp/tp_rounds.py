@@ -19,23 +19,26 @@ waiting rank never nears the collective timeout). One round:
    all-reduces make the logits, and so the tokens, equal), fed back as `Decoded` / `Finished`.
 
 Every event is stamped with rank 0's clock of the round, so the cores' times agree too.
+
+The decode node hands `Rounds` its feed (whose events for the core wait here for the next round,
+`feed`), its live-request table, its decode step and its local answers; nothing here knows the
+decode node's classes (`Feeds`, `Table`: what a round uses of them).
 """
 
 from __future__ import annotations
 
 import hashlib
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any, Protocol
 
 import attrs
 import trio
 
 from hicache.core import commands as cmd
 from hicache.core import events as ev
+from hicache.core.decode_node import DecodeNodeCore
 from hicache.core.errors import CoreError
 from hicache.runtime.tp.tp_group import TPFailure, TPGroup
-
-if TYPE_CHECKING:
-    from hicache.runtime.decode.decode_node import DecodeService, _Live
 
 EXTERNAL = (ev.RequestArrived, ev.AbortRequested, ev.EvictRequested, ev.ForgetRequested)
 COMPLETIONS = (ev.KVArrived, ev.KVFailed, ev.KVAbandoned, ev.BackupDone, ev.StoreDone)
@@ -49,12 +52,40 @@ def keys_digest(kind: str, keys: list[object]) -> int:
     return int.from_bytes(hashlib.blake2b(text, digest_size=7).digest(), "little")
 
 
-class Rounds:
-    """Runs the rounds of one rank of `service`; `group` carries the collectives."""
+class Feeds(Protocol):
+    """The decode node's feed to its core, as a round uses it."""
 
-    def __init__(self, service: DecodeService, group: TPGroup) -> None:
-        self.s = service
+    def put_now(self, event: ev.Event, *, refuse: bool = False) -> None: ...
+
+
+class Table(Protocol):
+    """The decode node's live requests (`Live`: a round reads and sets their fields by name)."""
+
+    def get(self, rid: str) -> Any: ...
+
+    def remove(self, rid: str) -> Any: ...
+
+    def values(self) -> Iterable[Any]: ...
+
+    def new(self, rid: str, fields: dict[str, Any]) -> Any: ...
+
+    def __len__(self) -> int: ...
+
+
+class Rounds:
+    """Runs the rounds of one rank: `group` carries the collectives, `feed` reaches the core,
+    `live` holds the requests; `attach` gives it the decode step and the local answers."""
+
+    def __init__(
+        self, group: TPGroup, feed: Feeds, live: Table, core: DecodeNodeCore, *, tick_interval: float
+    ) -> None:
         self.g = group
+        self.f = feed
+        self.live = live
+        self.core = core
+        self.tick_interval = tick_interval
+        self._step: Callable[[float], Awaitable[None]] | None = None
+        self._local_answer: Callable[[str], Any] | None = None
         self.now = 0.0  # rank 0's clock of the current round
         self._external: list[tuple[str, Any]] = []  # rank 0: what its clients caused
         self._local: list[ev.Event] = []  # rank-local events of this rank
@@ -72,7 +103,12 @@ class Rounds:
         self._answered: dict[str, trio.Event] = {}
         self._wake = trio.Event()
 
-    # ------------------------------------------------------------------ what the service hands in
+    def attach(self, step: Callable[[float], Awaitable[None]], answer: Callable[[str], Any]) -> None:
+        """`step(now)` runs a round's decode step; `answer(what)` is this rank's answer to rank
+        0's `stats` ("gauges") or `audit`."""
+        self._step, self._local_answer = step, answer
+
+    # ------------------------------------------------------------------ what the node hands in
 
     def feed(self, event: ev.Event) -> bool:
         """Take `event` for the next round; False if it is to be fed at once (a decode step's)."""
@@ -89,7 +125,7 @@ class Rounds:
             return False
         return True
 
-    def arrive(self, live: _Live, keys: list[int]) -> None:
+    def arrive(self, live: Any, keys: list[int]) -> None:
         """Rank 0: a client's request, to reach every rank with its data."""
         fields = {name: getattr(live, name) for name in LIVE_FIELDS}
         self._external.append(("arrive", (live.rid, fields, keys)))
@@ -101,9 +137,14 @@ class Rounds:
     def agree(self, c: cmd.Agree) -> None:
         self._agrees.append(c)
 
-    def report(self, rid: str, info: dict[str, Any]) -> None:
-        """Ranks 1..: what rank 0's reply needs of this rank about a responded request."""
-        self._reports.append((rid, info))
+    def responded(self, live: Any) -> None:
+        """The core responded to `live`: rank 0 answers its client once every rank reported;
+        ranks 1.. report what rank 0's reply needs of them."""
+        if self.g.rank == 0:
+            self.release(live.rid)
+        else:
+            info = {"start_pages": live.start_pages, "final_pages": live.final_pages, "kv": live.start_kv}
+            self._reports.append((live.rid, info))
 
     async def ask(self, what: str) -> dict[int, Any]:
         """Rank 0: every other rank's answer to `what` ("gauges", "audit"), by rank."""
@@ -132,18 +173,17 @@ class Rounds:
     # ------------------------------------------------------------------ the loop
 
     def _busy(self) -> bool:
-        s = self.s
-        return bool(s.live or self._pending or self._timers or not s.core.idle or self._asks)
+        return bool(len(self.live) or self._pending or self._timers or not self.core.idle or self._asks)
 
     async def run(self) -> None:
         try:
             while True:
                 if self.g.rank == 0:  # paces the rounds: at once while decoding, a tick
                     # interval with other work, else on news (or a heartbeat)
-                    if any(live.running for live in self.s.live.values()):
+                    if any(live.running for live in self.live.values()):
                         await trio.lowlevel.checkpoint()
                     elif self._busy():
-                        await trio.sleep(self.s.tick_interval)
+                        await trio.sleep(self.tick_interval)
                     else:
                         with trio.move_on_after(min(HEARTBEAT_S, self.g.timeout / 4)):
                             await self._wake.wait()
@@ -153,7 +193,8 @@ class Rounds:
             self.g.fail(str(exc))
 
     async def round(self) -> None:
-        g, s = self.g, self.s
+        g, f = self.g, self.f
+        assert self._step is not None and self._local_answer is not None, "Rounds.attach first"
         g.next_round()
         mine: dict[str, Any] = {"done": self._done}
         self._done = []
@@ -168,7 +209,7 @@ class Rounds:
         self.now = lead["now"]
         local, self._local = self._local, []
         for e in local:
-            s._feed_now(ev_at(e, self.now))
+            f.put_now(ev_at(e, self.now))
         for kind, item in lead["ext"]:
             self._external_event(kind, item)
         for rank, p in enumerate(payloads):
@@ -178,40 +219,40 @@ class Rounds:
         for timer, at in sorted(self._timers.items(), key=lambda x: (x[1], x[0])):
             if at <= self.now:
                 del self._timers[timer]
-                s._feed_now(ev.TimerFired(self.now, timer))
-        s._feed_now(ev.Tick(self.now))
+                f.put_now(ev.TimerFired(self.now, timer))
+        f.put_now(ev.Tick(self.now))
         agrees, self._agrees = self._agrees, []
         for a in agrees:
             keys = [k for k, _ in a.values]
             got = await g.agree_min(a.kind, keys_digest(a.kind, keys), [v for _, v in a.values])
-            s._feed_now(ev.Agreed(self.now, a.agreement, tuple(zip(keys, got, strict=True))))
+            f.put_now(ev.Agreed(self.now, a.agreement, tuple(zip(keys, got, strict=True))))
         if g.rank == 0:
             self._collect(payloads)
         else:
-            self._replies += [(what, s.local_answer(what)) for what in lead["asks"]]
-        await s.tp_decode_step()
+            self._replies += [(what, self._local_answer(what)) for what in lead["asks"]]
+        await self._step(self.now)
 
     def _external_event(self, kind: str, item: Any) -> None:
-        s = self.s
+        f = self.f
         if kind == "arrive":
             rid, fields, keys = item
-            live = s.live.get(rid) if self.g.rank == 0 else None
+            live = self.live.get(rid) if self.g.rank == 0 else None
             if live is None:
-                live = s.new_live(rid, fields)
+                live = self.live.new(rid, fields)
             live.seq = self._seq
             self._seq += 1
             try:
-                s._feed_now(ev.RequestArrived(self.now, rid, len(live.prompt), keys), refuse=True)
+                f.put_now(ev.RequestArrived(self.now, rid, len(live.prompt), keys), refuse=True)
             except CoreError:  # the core still keeps an ended request of that id
                 live.outcome, live.reason, live.duplicate = "failed", "duplicate request id", True
                 if self.g.rank != 0:
-                    s.live.pop(rid, None)
+                    self.live.remove(rid)
                 live.answer.set()
             return
         event = ev_at(item, self.now)
         if isinstance(event, ev.ForgetRequested) and self.g.rank != 0:
-            s.live.pop(event.req, None)
-        s._feed_now(event)
+            self.live.remove(event.req)
+        f.put_now(event)
 
     def _merge(self) -> None:
         """Feed each completion every rank has reported, merged, in the exchange's order."""
@@ -224,7 +265,7 @@ class Rounds:
                 failed = sorted({i for outs in by_rank.values() for i in outs[0][1]})
                 del self._pending[key]
                 kind = ev.BackupDone if key[0] == "backup" else ev.StoreDone
-                self.s._feed_now(kind(self.now, key[1], tuple(failed)))
+                self.f.put_now(kind(self.now, key[1], tuple(failed)))
                 continue
             req, tid = by_rank[0][0][1], key[1]
             if key not in self._abandoned:
@@ -234,19 +275,19 @@ class Rounds:
                 if gone:
                     self._abandoned[key] = gone
                     r = min(gone)
-                    self.s._feed_now(ev.KVAbandoned(self.now, req, tid, f"rank {r}: {firsts[r][2]}"))
+                    self.f.put_now(ev.KVAbandoned(self.now, req, tid, f"rank {r}: {firsts[r][2]}"))
                 else:
                     del self._pending[key]
                     if failed:
                         r, o = failed[0]
-                        self.s._feed_now(ev.KVFailed(self.now, req, tid, f"rank {r}: {o[2]}"))
+                        self.f.put_now(ev.KVFailed(self.now, req, tid, f"rank {r}: {o[2]}"))
                     else:
-                        self.s._feed_now(ev.KVArrived(self.now, req, tid))
+                        self.f.put_now(ev.KVArrived(self.now, req, tid))
                     continue
             # Fed KVAbandoned: over once every abandoning rank's transfer settled.
             if all(len(by_rank[r]) > 1 for r in self._abandoned[key]):
                 del self._pending[key], self._abandoned[key]
-                self.s._feed_now(ev.KVFailed(self.now, req, tid, "abandoned transfer settled"))
+                self.f.put_now(ev.KVFailed(self.now, req, tid, "abandoned transfer settled"))
 
     def _collect(self, payloads: list[dict[str, Any]]) -> None:
         """Rank 0: the other ranks' reports and answers; a request is answered once all are in."""
@@ -261,7 +302,7 @@ class Rounds:
 
     def release(self, rid: str) -> None:
         """Rank 0: answer `rid`'s client once it responded here and every rank reported."""
-        live = self.s.live.get(rid)
+        live = self.live.get(rid)
         got = self.rank_reports.get(rid, {})
         if live is not None and live.outcome and len(got) == self.g.size - 1:
             live.ranks = [got[r] for r in range(1, self.g.size)]

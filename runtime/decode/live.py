@@ -1,0 +1,81 @@
+"""The live-request table: what the decode node knows of each request between its arrival and
+its answer, shared by the parts that serve, transfer and decode it (the core keeps the cache's
+side of the same request)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import trio
+
+
+@attrs.define(eq=False)
+class Live:
+    """A request between its arrival and its answer."""
+
+    rid: str
+    prompt: list[int]
+    max_new: int
+    seed: int
+    verify: bool
+    arrival: float
+    answer: trio.Event = attrs.Factory(trio.Event)
+    gen: list[int] = attrs.Factory(list)
+    kv_len: int = 0  # tokens whose KV is in the request's L1 pages
+    slots: list[int] = attrs.Factory(list)  # its L1 pages while running (StartDecode + ExtendKV)
+    running: bool = False
+    first_token_at: float = -1.0
+    promised: int = -1  # tokens its first admission restored locally (StartDecode), -1 before
+    received: dict[int, str] = attrs.Factory(dict)  # page index -> prefill's digest (this admission)
+    start_pages: list[dict[str, Any]] = attrs.Factory(list)
+    start_kv: bytes = b""
+    final_pages: list[str] = attrs.Factory(list)
+    outcome: str = ""
+    reason: str = ""
+    account: dict[str, int] = attrs.Factory(dict)
+    sampling: dict[str, Any] = attrs.Factory(dict)  # checked (`sampling.check`); prefill gets it too
+    stop_ids: frozenset[int] = frozenset()  # a generated token among these ends the request
+    finish_reason: str = ""  # "stop" (a stop token) or "length" (max_new), once Finished
+    changed: trio.Event = attrs.Factory(trio.Event)  # set (and replaced) when tokens are added
+    seq: int = 0  # TP: its place in arrival order, the same on every rank
+    duplicate: bool = False  # TP: the core refused its arrival (an id still in use)
+    ranks: list[dict[str, Any]] = attrs.Factory(list)  # TP, rank 0: ranks 1..'s page reports
+    prefill_cached: dict[str, int] | None = None  # prompt tokens prefill had cached, by tier
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.gen
+
+    def add_token(self, token: int) -> None:
+        """Append a generated token and wake whoever streams this request's tokens."""
+        self.gen.append(token)
+        self.changed.set()
+        self.changed = trio.Event()
+
+
+class LiveTable(dict[str, Live]):
+    """The requests the node is serving, by id; the removal that empties it wakes `emptied`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._emptied = trio.Event()
+
+    def new(self, rid: str, fields: dict[str, Any]) -> Live:
+        """TP ranks 1..: a request rank 0's client sent, with the data rank 0 passed on."""
+        live = self[rid] = Live(rid, **fields)
+        return live
+
+    def remove(self, rid: str) -> Live | None:
+        live = self.pop(rid, None)
+        if not self:
+            self._emptied.set()
+            self._emptied = trio.Event()
+        return live
+
+    def running(self) -> int:
+        return sum(live.running for live in self.values())
+
+    async def emptied(self) -> None:
+        """Return once the table next becomes empty (the `idle` op waits for it)."""
+        await self._emptied.wait()

@@ -1,0 +1,186 @@
+"""KV increments from the prefill node: the `RequestKV` executor.
+
+A transfer is a `kv` message on the control connection (`PrefillLink`), a WRITE into the
+request's L1 pages that ends with a notification, and prefill's answer with the first token and
+a digest per page. Every page received is checked against those digests (on the authenticated
+control connection): a page that differs fails the transfer, which the core retries or falls
+back from, and is never decoded from.
+
+The core learns a transfer failed only once no byte of it can still land (a fence): the TCP
+engine fences by itself; otherwise prefill's answer is the fence, or prefill is asked to cancel
+and confirm. A transfer nobody can vouch for becomes `KVAbandoned`, and its task keeps asking
+prefill until it confirms, then reports `KVFailed`, which frees the pages.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from typing import Any
+
+import trio
+
+from hicache.core import commands as cmd
+from hicache.core import events as ev
+from hicache.runtime.decode.feed import Feed
+from hicache.runtime.decode.injected import FaultHooks
+from hicache.runtime.decode.live import LiveTable
+from hicache.runtime.decode.prefill_link import CONTROL_ERRORS, PrefillLink
+from hicache.runtime.kv.kv_digest import page_digest
+from hicache.runtime.kv.kv_pool import KVPool
+from hicache.runtime.transfer.base import TransferEngine
+from hicache.runtime.wire import protocol
+
+log = logging.getLogger("hicache.runtime.decode")
+
+
+class Transfers:
+    """Executes `RequestKV` over `link` into `l1`, feeding the outcome to `feed`."""
+
+    def __init__(
+        self,
+        feed: Feed,
+        live: LiveTable,
+        link: PrefillLink,
+        engine: TransferEngine,
+        l1: KVPool,
+        moved: collections.Counter[str],
+        *,
+        page_size: int,
+        vocab: int,
+        heads: list[int] | None,
+        faults: FaultHooks,
+        transfer_timeout: float,
+        fence_timeout: float,
+    ) -> None:
+        self.feed, self.live, self.link, self.engine = feed, live, link, engine
+        self.l1, self.moved = l1, moved
+        self.page = page_size
+        self.vocab = vocab
+        self.heads = heads  # a TP rank's KV heads, which prefill sends it
+        self.faults = faults
+        self.transfer_timeout = transfer_timeout
+        self.fence_timeout = fence_timeout
+        self.abandoned = 0  # transfers given up on without a fence (their requests failed)
+
+    async def request_kv(self, c: cmd.RequestKV) -> None:
+        live = self.live[c.req]
+        page, link = self.page, self.link
+        fault = self.faults.transfer(c.transfer)
+        reason = await fault.start()
+        if reason:
+            self.feed.put(ev.KVFailed(self.feed.now(), c.req, c.transfer, reason))
+            return
+        end, dst = fault.shape(c, page)
+        receive = link.expect(c.transfer)
+        arrived = link.arrivals.setdefault(c.transfer, trio.Event())
+        msg = {
+            "op": "kv",
+            "tid": c.transfer,
+            **({"heads": self.heads} if self.heads is not None else {}),
+            "tokens": live.tokens[: c.prompt_len],  # the prompt of this admission
+            "namespace": live.seed,  # prefill reuses work only within one tenant's namespace
+            "sampling": live.sampling,  # prefill draws the first token as the decode node draws the rest
+            "start": c.start,
+            "end": end,
+            "dst": dst,
+        }
+        reply: dict[str, Any] = {}
+        with trio.move_on_after(self.transfer_timeout) as scope:
+            try:
+                gen = await link.send(c.transfer, msg)
+                reply = await receive.receive()
+                if reply.get("ok"):
+                    await arrived.wait()
+                reason = await fault.answered(lambda: link.cut(gen))
+            except CONTROL_ERRORS as exc:
+                reason = f"prefill connection lost: {exc or type(exc).__name__}"
+        link.forget(c.transfer)
+        link.arrivals.pop(c.transfer, None)
+        if scope.cancelled_caught:
+            reason = f"no KV from prefill within {self.transfer_timeout} s"
+        elif not reason and not reply.get("ok"):
+            reason = str(reply.get("reason", "prefill failed"))
+        elif not reason and end < c.end:
+            reason = f"prefill sent {len(dst)} of {len(c.dst_slots)} pages (injected)"
+        if not reason and reply.get("ok"):
+            reason = self._bad_reply(reply, len(dst))
+            if reason:
+                log.warning("transfer %d failed: %s", c.transfer, reason)
+        if not reason:  # always: a page that is not what prefill sent is never served
+            fault.received(self.l1, dst)
+            reason = self._check_received(dst, reply["digests"], c.start // page)
+        if reason and not arrived.is_set() and not await self._fence(c.transfer, answered=bool(reply)):
+            # Its bytes may still land: the request fails and its pages stay with the transfer.
+            self.abandoned += 1
+            self.feed.put(ev.KVAbandoned(self.feed.now(), c.req, c.transfer, f"{reason}; not fenced"))
+            link.arrivals[c.transfer] = arrived
+            await self._settle_abandoned(c.transfer, c.req, arrived)
+            return
+        if reason:
+            self.feed.put(ev.KVFailed(self.feed.now(), c.req, c.transfer, reason))
+            return
+        self.moved["transfer_bytes"] += len(dst) * self.l1.layout.page_bytes
+        if live.prefill_cached is None:  # the request's first prefill, not a fallback's
+            live.prefill_cached = _cached_tokens(reply.get("cached"))
+        for j, digest in enumerate(reply["digests"]):
+            live.received[c.start // page + j] = digest
+        if not live.gen:
+            live.add_token(int(reply["first_token"]))
+        self.feed.put(ev.KVArrived(self.feed.now(), c.req, c.transfer))
+
+    async def _fence(self, tid: int, *, answered: bool) -> bool:
+        """Make sure no more bytes of transfer `tid` land in L1; False if that cannot be shown.
+
+        The engine fences by itself where it reads every byte (TCP). Otherwise prefill's answer
+        is the fence, since it answers only once its WRITE settled; without one, prefill is asked
+        to cancel the transfer and confirm."""
+        if await self.engine.fence(f"kv:{tid}".encode()):
+            return True
+        return answered or await self.link.cancel(tid, self.fence_timeout)
+
+    async def _settle_abandoned(self, tid: int, req: str, arrived: trio.Event) -> None:
+        """Keep asking prefill to settle an abandoned transfer; its pages are freed once it has
+        (or once its notification shows the WRITE completed)."""
+        wait = self.fence_timeout
+        while not arrived.is_set():
+            if await self.link.cancel(tid, self.fence_timeout):
+                break
+            with trio.move_on_after(wait):
+                await arrived.wait()
+            wait = min(wait * 2, 60.0)
+        self.link.arrivals.pop(tid, None)
+        self.feed.put(ev.KVFailed(self.feed.now(), req, tid, "abandoned transfer settled"))
+
+    def _bad_reply(self, reply: dict[str, Any], pages: int) -> str:
+        """Why prefill's `ok` answer cannot be used ("" if it can): a peer's fields are checked
+        like a client's, and a bad one fails the transfer instead of the node."""
+        digests = reply.get("digests")
+        if not (
+            isinstance(digests, list) and len(digests) == pages and all(isinstance(d, str) for d in digests)
+        ):
+            got = protocol.show(digests)
+            return f"prefill's answer: field 'digests' must be a list of {pages} strings, got {got}"
+        token = reply.get("first_token")
+        if type(token) is not int or not 0 <= token < self.vocab:
+            return f"prefill's answer: field 'first_token' must be a token id, got {protocol.show(token)}"
+        return ""
+
+    def _check_received(self, dst: list[int], digests: list[str], first: int) -> str:
+        """Why the pages a transfer wrote are not what prefill says it sent ("" if they are)."""
+        for j, digest in enumerate(digests):
+            if page_digest(self.l1.data[dst[j]]) != digest:
+                self.faults.rejected()
+                return f"received page {first + j} differs from what prefill sent"
+        return ""
+
+
+def _cached_tokens(value: object) -> dict[str, int]:
+    """A `kv` reply's `cached` field (tokens per prefill tier) as far as it makes sense."""
+    if not isinstance(value, dict):
+        return {}
+    return {
+        k: v
+        for k, v in value.items()
+        if k in ("l1", "l2", "l3") and isinstance(v, int) and not isinstance(v, bool) and v >= 0
+    }
