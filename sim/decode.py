@@ -55,7 +55,7 @@ class LiveRequest:
     made: int = 0  # output tokens generated (the first comes from prefill)
     reported: int = 0  # output tokens whose KV the core has been told about
     pd_bytes: float = 0.0
-    promised_tokens: int = -1
+    promised_tokens: int = -1  # tokens its first admission restored locally (StartDecode)
     prefill_cached: int = 0  # prompt tokens the prefill node did not compute
     # batch membership
     active: bool = False
@@ -255,8 +255,6 @@ class DecodeDriver:
 
     def _request_kv(self, c: cmd.RequestKV) -> None:
         live = self.live[c.req]
-        if live.promised_tokens < 0:
-            live.promised_tokens = c.start
         if self.faults is not None:
             self.faults.issue_transfer(c)
         if self.layer_groups > 0:
@@ -323,6 +321,7 @@ class DecodeDriver:
         if live.first_token < 0:
             live.first_token = c.ready_at  # prefill's token is out once the KV is complete
             live.made = 1  # prefill's token
+            live.promised_tokens = c.promised  # what its first admission restored locally
         self._enter(live)
 
     def _extend_kv(self, c: cmd.ExtendKV) -> None:

@@ -8,6 +8,9 @@ same way by the compiled and the plain-Python core. The random worlds that found
 
 from __future__ import annotations
 
+import typing
+
+import attrs
 import pytest
 from builders import decode_config, prompt
 from kvworld import World
@@ -316,6 +319,15 @@ def test_an_event_with_a_field_of_the_wrong_type_is_refused_by_name(event: ev.Ev
     assert w.core.snapshot() == before
     w.settle()
     assert w.outcomes["a"] == ("finished", "")
+
+
+def test_every_event_type_says_which_of_its_fields_are_checked() -> None:
+    """A new event type must name its id, count and request fields in `FIELD_TYPES`, or it would
+    reach its handler unchecked."""
+    assert set(ev.FIELD_TYPES) == set(typing.get_args(ev.Event))
+    for kind, fields in ev.FIELD_TYPES.items():
+        names = {a.name for a in attrs.fields(kind)}
+        assert {name for name, _ in fields} <= names, kind
 
 
 # ---------------------------------------------------------------------- 6. priority at arrival
