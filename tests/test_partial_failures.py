@@ -95,7 +95,12 @@ def test_two_requests_in_one_load_back_report_bad_pages_of_one_span() -> None:
     (op,) = w.loads
     load = w.loads[op]
     assert load.reqs == ("b", "c")
-    w.load_done(op, bad_pages=(3, 5))  # b's page 3, c's page 0
+    # The copy fails for b's page 3 and for c's page 0 (the copy, not the L2 bytes: the two
+    # entries read the same slots, yet their first bad pages differ).
+    del w.loads[op]
+    for j, (h, d) in enumerate(zip(load.host_slots, load.device_slots, strict=True)):
+        w.l1[d] = ("garbage", op) if j in (3, 4, 5, 6, 7, 8, 9) else w.l2[h]
+    w.feed(ev.LoadDone(w.now, op, (3, 5)))
     w.core.check()
     assert w.core.tree.peek(w.keys_of(shared)) == 0  # no later match reads a bad page
     assert w.core.stats.bad_l2_pages == 2
