@@ -100,11 +100,17 @@ class Feed:
             await self._tick_due.wait()
             self._tick_due = trio.Event()
             await trio.sleep(self.tick_interval)
-            try:
-                self.dispatch.tick(self.now())
-            except CoreError as exc:
-                log.error("the core refused Tick: %s", exc)
-                self.refused_events += 1
-            finally:
-                self._fed.set()
-                self._fed = trio.Event()
+            self.tick_now(self.now())
+
+    def tick_now(self, at: float) -> None:
+        """The due tick at `at`, through the dispatcher: skipped when the core has no work for
+        it (a TP round calls this every round, and every rank skips alike: their cores agree)."""
+        assert self.dispatch is not None, "Feed.attach first"
+        try:
+            self.dispatch.tick(at)
+        except CoreError as exc:
+            log.error("the core refused Tick: %s", exc)
+            self.refused_events += 1
+        finally:
+            self._fed.set()
+            self._fed = trio.Event()

@@ -57,6 +57,8 @@ class Feeds(Protocol):
 
     def put_now(self, event: ev.Event, *, refuse: bool = False) -> None: ...
 
+    def tick_now(self, at: float) -> None: ...
+
 
 class Table(Protocol):
     """The decode node's live requests (`Live`: a round reads and sets their fields by name)."""
@@ -220,7 +222,7 @@ class Rounds:
             if at <= self.now:
                 del self._timers[timer]
                 f.put_now(ev.TimerFired(self.now, timer))
-        f.put_now(ev.Tick(self.now))
+        f.tick_now(self.now)
         agrees, self._agrees = self._agrees, []
         for a in agrees:
             keys = [k for k, _ in a.values]
