@@ -11,7 +11,7 @@ from hicache.core.failed_pages import first_failed
 from hicache.core.node import TreeNode
 from hicache.core.tree_results import BackupResult
 from hicache.core.tree_stores import TreeStores
-from hicache.core.tree_structure import TREE, _without
+from hicache.core.tree_structure import TREE, ops_without
 
 
 class TreeBackups(TreeStores):
@@ -79,7 +79,7 @@ class TreeBackups(TreeStores):
         mine: list[TreeNode] = []  # the nodes whose slots this backup wrote, root side first
         start = 0
         for n in nodes:
-            n.ops = _without(n.ops, op)
+            n.ops = ops_without(n.ops, op)
             if self._retired:
                 self._free_retired_if_idle(n)  # an earlier L2 copy given up while this op ran
             size = len(n.keys)

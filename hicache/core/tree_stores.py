@@ -9,7 +9,7 @@ from hicache.core.errors import CoreError
 from hicache.core.failed_pages import failed_pages
 from hicache.core.node import TreeNode
 from hicache.core.tree_eviction import TreeEviction
-from hicache.core.tree_structure import _without
+from hicache.core.tree_structure import ops_without
 
 
 class TreeStores(TreeEviction):
@@ -49,7 +49,7 @@ class TreeStores(TreeEviction):
         start = 0
         for n in nodes:
             size = len(n.keys)
-            n.ops = _without(n.ops, op)
+            n.ops = ops_without(n.ops, op)
             if n.detached:  # cut out meanwhile: only its retired slots wait for this op
                 pass
             elif not bad:

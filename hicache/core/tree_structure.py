@@ -236,6 +236,6 @@ class TreeStructure:
             self.host_pool.free(slots, TREE, checked=True)
 
 
-def _without(ops: tuple[int, ...], op: int) -> tuple[int, ...]:
+def ops_without(ops: tuple[int, ...], op: int) -> tuple[int, ...]:
     """`ops` less `op` (a node is covered by a few operations at most)."""
     return tuple(o for o in ops if o != op) if op in ops else ops
