@@ -220,4 +220,4 @@ class PrefillPlanner:
                 if copy is None or copy(c):
                     tree.backup_done(c.op)
                 else:
-                    tree.backup_done(c.op, range(len(c.device_slots)))
+                    tree.backup_done(c.op, tuple(range(len(c.device_slots))))  # none arrived
