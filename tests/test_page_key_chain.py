@@ -34,7 +34,9 @@ def token_arrays(draw: st.DrawFn, max_len: int = 240) -> np.ndarray:
 
 @SETTINGS
 @given(tokens=token_arrays(), page_size=page_sizes, seed=seeds)
-def test_next_page_key_chains_to_page_keys_in_both_paths(tokens: np.ndarray, page_size: int, seed: int) -> None:
+def test_next_page_key_chains_to_page_keys_in_both_paths(
+    tokens: np.ndarray, page_size: int, seed: int
+) -> None:
     whole = page_keys(tokens, page_size, seed).tolist()
     assert whole == page_keys_reference(tokens, page_size, seed)
     numba_chain: list[int] = []
@@ -93,6 +95,11 @@ def test_a_live_requests_keys_grow_with_its_tokens_and_equal_page_keys(
         full = len(live.tokens) // page_size
         pages = data.draw(st.integers(0, full))
         assert live.page_keys(page_size, pages) == expect[:pages]
+        if full:
+            index = data.draw(st.integers(0, full - 1))
+            assert live.page_key(page_size, index) == expect[index]
     assert live.page_keys(page_size, len(live.tokens) // page_size) == expect
     with pytest.raises(ValueError, match="page_keys"):
         live.page_keys(page_size, len(live.tokens) // page_size + 1)
+    with pytest.raises(ValueError, match="page_keys"):
+        live.page_key(page_size, len(live.tokens) // page_size)

@@ -197,7 +197,7 @@ class Batch:
         pos = live.kv_len
         new_keys: list[int] = []
         if (pos + 1) % page == 0:  # a page filled: its key chains on the one before
-            new_keys = live.page_keys(page, (pos + 1) // page)[-1:]
+            new_keys = [live.page_key(page, pos // page)]
         self.feed.put(ev.Decoded(self.feed.now(), live.rid, 1, new_keys))
         if not live.running:
             # Retracted by its own growth: this step's KV got no page, but its token stands; on

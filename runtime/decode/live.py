@@ -53,6 +53,15 @@ class Live:
     def page_keys(self, page_size: int, pages: int) -> list[int]:
         """The keys of its first `pages` full pages (a new list), hashing only those not keyed
         before: its tokens only grow, so a key, once computed, stays its page's."""
+        self._key_through(page_size, pages)
+        return self.keys[:pages]
+
+    def page_key(self, page_size: int, index: int) -> int:
+        """The key of its full page `index` (a decode step that fills a page asks for it)."""
+        self._key_through(page_size, index + 1)
+        return self.keys[index]
+
+    def _key_through(self, page_size: int, pages: int) -> None:
         have = len(self.keys)
         if pages > have:
             lo, hi, n = have * page_size, pages * page_size, len(self.prompt)
@@ -61,7 +70,6 @@ class Live:
                 held = n + len(self.gen)
                 raise ValueError(f"page_keys: {pages} pages of {page_size} tokens, it holds {held}")
             extend_page_keys(self.keys, new, page_size, self.seed)
-        return self.keys[:pages]
 
     def add_token(self, token: int) -> None:
         """Append a generated token and wake whoever streams this request's tokens."""
