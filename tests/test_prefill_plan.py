@@ -48,8 +48,9 @@ def assert_consistent(planner: PrefillPlanner) -> None:
     assert not tree.live_locks and not tree.live_pins
 
 
+prompts = st.lists(st.integers(0, 1), min_size=1, max_size=14)  # two tokens: shared prefixes
 step = st.tuples(
-    st.lists(st.integers(0, 1), min_size=1, max_size=14),  # the prompt (two tokens: shared prefixes)
+    prompts,
     st.integers(0, 8),  # pages L3 says it holds after the tree's prefix
     st.booleans(),  # whether reading them pays
     st.booleans(),  # the prompt succeeds (its pages enter the tree) or fails
@@ -164,3 +165,48 @@ def test_cached_tokens_are_attributed_in_prompt_order(
 def test_a_plan_counts_every_page_but_the_last_token() -> None:
     plan = PrefillPlan("a", [1, 2], 8, 4, 2, 0, [0, 1], [], None, None)
     assert plan.cached_tokens(2) == 7 and plan.cached_tokens(1) == 4 and plan.cached_tokens(0) == 0
+
+
+def tiers(tree: TieredRadixTree) -> tuple[set[int], set[int]]:
+    """The keys of the pages on L1 and on L2."""
+    nodes = tree.nodes()
+    return (
+        {k for n in nodes if n.device is not None for k in n.keys},
+        {k for n in nodes if n.host is not None for k in n.keys},
+    )
+
+
+@SETTINGS
+@given(
+    page=st.integers(1, 3),
+    l1=st.integers(1, 8),
+    l2=st.integers(0, 10),
+    eviction=st.sampled_from(["lru", "lfu", "fifo", "mru"]),
+    steps=st.lists(st.tuples(prompts, st.integers(0, 8), st.booleans()), min_size=1, max_size=25),
+)
+def test_the_simulators_and_the_runtimes_call_orders_decide_alike(
+    page: int, l1: int, l2: int, eviction: str, steps: list[tuple[list[int], int, bool]]
+) -> None:
+    """The simulator reserves when a prompt ends, unpinned and with no work page; the runtime
+    before computing, pinned, with one work page in an L1 one page larger. On prompts that fit,
+    both count the same cached pages and hold the same pages on each tier after every prompt."""
+    sim = PrefillPlanner("P0", l1, l2, page, eviction=eviction)
+    run = PrefillPlanner("prefill", l1 + 1, l2, page, eviction=eviction)
+    for n, (prompt, held, pays) in enumerate(steps):
+        if not run.fits(len(prompt)):
+            continue  # the runtime computes it without its cache
+        keys = page_keys(prompt, page, 3).tolist()
+        done: list[int] = []
+        for planner, runtime in ((sim, False), (run, True)):
+            plan = planner.match(keys, len(prompt), ("prefill", n), float(n))
+            planner.take_l3(plan, held, lambda pages, pays=pays: 1.0 if pays else 3.0, lambda pages: 2.0)
+            if runtime:
+                assert planner.reserve(plan, 1) is not None  # it fits, and nothing else holds L1
+                planner.restored(plan)
+            else:
+                planner.restored(plan)
+                planner.reserve(plan)
+            planner.finish(plan, n + 0.5)
+            done.append(plan.cached_tokens(plan.restore_pages))
+        assert done[0] == done[1]
+        assert tiers(sim.tree) == tiers(run.tree)
