@@ -56,6 +56,7 @@ CORE = (
     "policy_enum",
     "pool",
     "prefetch_rule",
+    "prefill_plan",
     "prefix_match",
     "promise",
     "receipts",

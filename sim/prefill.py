@@ -2,7 +2,9 @@
 
 Like a real HiCache deployment, a prefill node keeps the core's tiered tree (L1 on its GPUs,
 L2 in host memory) and reads the shared L3, so it computes only the part of a prompt that none
-of them holds. Restoring that prefix costs time too: L2 pages cross the host link, L3 pages
+of them holds. What is cached, read, computed and inserted is decided by the core's prefill
+planner (`hicache.core.prefill_plan`), as in the runtime's prefill node; this node turns those
+pages into time. Restoring that prefix costs time too: L2 pages cross the host link, L3 pages
 come through the shared storage channel and then the host link — only when that is faster than
 computing them again, counting the storage channel's backlog. A switch turns the cache off
 (every prompt computed from scratch).
@@ -25,9 +27,8 @@ from collections.abc import Callable, Sequence
 
 import attrs
 
-from hicache.core.commands import Backup
-from hicache.core.pool import SlotPool
-from hicache.core.restore_cost import RestorePath, restore_pays
+from hicache.core.prefill_plan import PrefillPlan, PrefillPlanner
+from hicache.core.restore_cost import RestorePath
 from hicache.core.tree import TieredRadixTree
 from hicache.sim.channel import Channel
 from hicache.sim.costs import NodeCosts
@@ -69,12 +70,12 @@ class PrefillNode:
         self.kvb = costs.model.kv_bytes_per_token
         self.host = host
         self.store = store
+        self.planner: PrefillPlanner | None = None
         self.tree: TieredRadixTree | None = None
         if cache_pages is not None:
             l1, l2 = cache_pages
-            self.tree = TieredRadixTree(
-                SlotPool(f"P{index}.L1", l1), SlotPool(f"P{index}.L2", l2), write_policy="write_through"
-            )
+            self.planner = PrefillPlanner(f"P{index}", l1, l2, page_size)  # backups complete at once
+            self.tree = self.planner.tree
         self.queue: deque[PrefillJob] = deque()
         self.jobs: dict[str, PrefillJob] = {}
         self.busy = False
@@ -129,33 +130,35 @@ class PrefillNode:
         job.started = now
         page = self.page
         ready = now
-        lock = None
-        device_slots: list[int] = []
-        if self.tree is not None:
-            m = self.tree.match(job.keys, now)
-            self._finish_backups()
-            lock = self.tree.lock(m.device_node)
-            device_slots = m.device_slots
-            l1, l2 = m.device_pages, m.host_pages
-            l3 = self.store.prefix_hits(job.keys, l1 + l2) if self.store is not None else 0
-            if l3 and not restore_pays(
-                self._l3_read_seconds(l3, now), self.costs.prefill_seconds(l3 * page, (l1 + l2) * page)
-            ):
-                l3 = 0  # storage is slower (or busier) than computing those pages again
+        plan = None
+        planner = self.planner
+        if planner is not None:
+            plan = planner.match(job.keys, job.prompt_len, ("prefill", job.rid), now)
+            l1, l2 = plan.device_pages, plan.host_pages
+            if self.store is not None:
+                cached = (l1 + l2) * page
+
+                def read_s(pages: int) -> float:
+                    return self._l3_read_seconds(pages, now)
+
+                def compute_s(pages: int) -> float:
+                    return self.costs.prefill_seconds(pages * page, cached)
+
+                planner.take_l3(plan, self.store.prefix_hits(job.keys, l1 + l2), read_s, compute_s)
+            l3 = plan.l3_pages
             if l2:
                 ready = max(ready, self.host.reserve(now, l2 * page * self.kvb).done)
             if l3:
                 read = self.store.channel.reserve(now, l3 * page * self.kvb)  # type: ignore[union-attr]
                 self.store.touch(job.keys[l1 + l2 : l1 + l2 + l3])  # type: ignore[union-attr]
                 ready = max(ready, self.host.reserve(read.done, l3 * page * self.kvb).done)
-            # The last prompt token is always computed: it yields the first output token.
-            job.cached_tokens = min((l1 + l2 + l3) * page, job.prompt_len - 1)
+            job.cached_tokens = plan.cached_tokens(l1 + l2 + l3)
         compute = job.prompt_len - job.cached_tokens
         self.computed_tokens += compute
         self.cached_tokens += job.cached_tokens
         done = ready + self.costs.prefill_seconds(compute, job.cached_tokens)
         job.compute_start, job.compute_end = ready, done
-        self.loop.call_at(done, self._done, job, lock, device_slots)
+        self.loop.call_at(done, self._done, job, plan)
         starting, job.starting = job.starting, []
         for fn in starting:
             fn(job)
@@ -176,33 +179,16 @@ class PrefillNode:
         )
         return path.seconds(nbytes, queued)
 
-    def _done(self, job: PrefillJob, lock: object, device_slots: list[int]) -> None:
+    def _done(self, job: PrefillJob, plan: PrefillPlan | None) -> None:
         job.done_at = self.loop.now
-        if self.tree is not None:
-            self._insert(job, lock, device_slots)
+        if plan is not None:
+            # Its pages are all here now: what the tree lacks on L1 enters it, room permitting.
+            planner = self.planner
+            assert planner is not None
+            planner.restored(plan)
+            planner.reserve(plan)
+            planner.finish(plan, self.loop.now)
         waiting, job.waiting = job.waiting, []
         for fn in waiting:
             fn()
         self._next()
-
-    def _insert(self, job: PrefillJob, lock: object, device_slots: list[int]) -> None:
-        tree = self.tree
-        assert tree is not None
-        owner = ("prefill", job.rid)
-        need = len(job.keys) - len(device_slots)
-        pool = tree.device_pool
-        if need > pool.num_free:
-            tree.evict_device(need - pool.num_free)
-            self._finish_backups()
-        slots = pool.alloc(need, owner) if need <= pool.num_free else None
-        tree.unlock(lock)  # type: ignore[arg-type]
-        if slots is not None:
-            tree.insert(job.keys, device_slots + slots, owner, self.loop.now)
-        self._finish_backups()
-
-    def _finish_backups(self) -> None:
-        tree = self.tree
-        assert tree is not None
-        for c in tree.drain():
-            if isinstance(c, Backup):
-                tree.backup_done(c.op)

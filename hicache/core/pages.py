@@ -37,7 +37,9 @@ __all__ = [
     "KeyArray",
     "TokenLike",
     "block_page_keys",
+    "extend_page_keys",
     "namespace_seed",
+    "next_page_key",
     "num_full_pages",
     "page_keys",
     "page_keys_reference",
@@ -331,6 +333,33 @@ def page_keys(tokens: TokenLike, page_size: int, seed: int) -> KeyArray:
     page_size = _check_count(page_size, "page_size", 1)
     seed = _check_seed(seed)
     return _page_keys_kernel(arr, np.int64(page_size), np.uint64(seed))
+
+
+def next_page_key(prev: int, page: TokenLike) -> int:
+    """The key of one more page: ``page``'s tokens (a whole page) chained on ``prev``, the key
+    of the page before it or, for the first page, the seed.
+
+    Equal by construction to the last of ``page_keys`` over the whole sequence, since the chain
+    carries nothing from page to page but the previous key: a sequence growing a page at a time
+    pays for the new page only, not for its whole prefix again.
+    """
+    arr = _as_lane_vector(page, "page")
+    if arr.shape[0] == 0:
+        raise ValueError("page must hold at least one token")
+    return int(_page_keys_kernel(arr, np.int64(arr.shape[0]), np.uint64(_check_seed(prev)))[0])
+
+
+def extend_page_keys(keys: list[int], new_tokens: TokenLike, page_size: int, seed: int) -> list[int]:
+    """Append to ``keys`` (a sequence's first page keys, chained from ``seed``) the keys of the
+    full pages of ``new_tokens``, the tokens that follow those pages; returns ``keys``.
+
+    Only the new pages are hashed, so a sequence keyed as it grows costs one pass over its
+    tokens in all; the result equals ``page_keys`` of the whole sequence (the chain carries
+    nothing from page to page but the previous key).
+    """
+    prev = keys[-1] if keys else seed
+    keys += page_keys(new_tokens, page_size, prev).tolist()
+    return keys
 
 
 def _merge_lane_py(acc: int, lane: int) -> int:

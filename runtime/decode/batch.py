@@ -14,13 +14,11 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import attrs
-import numpy as np
 import torch
 import trio
 
 from hicache.core import commands as cmd
 from hicache.core import events as ev
-from hicache.core.pages import page_keys
 from hicache.runtime.decode.feed import Feed
 from hicache.runtime.decode.live import Live, LiveTable
 from hicache.runtime.kv.kv_digest import page_digest
@@ -79,8 +77,7 @@ class Batch:
             live.first_token_at = c.ready_at  # its KV was complete then; the batch may have been full
             live.promised = c.promised  # what its first admission restored locally
             page = self.page
-            tokens = np.asarray(live.tokens[: c.prompt_len], dtype=np.int64)
-            keys = page_keys(tokens, page, live.seed).tolist()  # the keys the core gave its pages
+            keys = live.page_keys(page, c.prompt_len // page)  # the keys the core gave its pages
             live.start_pages = [
                 {
                     "key": keys[i] if i < len(keys) else None,
@@ -199,9 +196,8 @@ class Batch:
         page = self.page
         pos = live.kv_len
         new_keys: list[int] = []
-        if (pos + 1) % page == 0:
-            keys = page_keys(np.asarray(live.tokens[: pos + 1], dtype=np.int64), page, live.seed)
-            new_keys = [int(keys[-1])]
+        if (pos + 1) % page == 0:  # a page filled: its key chains on the one before
+            new_keys = [live.page_key(page, pos // page)]
         self.feed.put(ev.Decoded(self.feed.now(), live.rid, 1, new_keys))
         if not live.running:
             # Retracted by its own growth: this step's KV got no page, but its token stands; on

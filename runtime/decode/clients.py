@@ -223,7 +223,7 @@ class Clients:
         if not sampling.get("ignore_eos"):
             stops |= set(getattr(self.model, "eos_token_ids", ()))
         live.stop_ids = frozenset(stops)
-        keys = page_keys(np.asarray(prompt, dtype=np.int64), self.page, seed).tolist()
+        keys = live.page_keys(self.page, len(prompt) // self.page)  # kept on `live`, extended as it decodes
         self.live[rid] = live
         if self.rounds is not None:
             self.rounds.arrive(live, keys)  # every rank feeds it in the next round

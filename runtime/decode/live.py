@@ -9,6 +9,8 @@ from typing import Any
 import attrs
 import trio
 
+from hicache.core.pages import extend_page_keys
+
 
 @attrs.define(eq=False)
 class Live:
@@ -42,10 +44,32 @@ class Live:
     duplicate: bool = False  # TP: the core refused its arrival (an id still in use)
     ranks: list[dict[str, Any]] = attrs.Factory(list)  # TP, rank 0: ranks 1..'s page reports
     prefill_cached: dict[str, int] | None = None  # prompt tokens prefill had cached, by tier
+    keys: list[int] = attrs.Factory(list)  # its first full pages' keys, extended as it grows
 
     @property
     def tokens(self) -> list[int]:
         return self.prompt + self.gen
+
+    def page_keys(self, page_size: int, pages: int) -> list[int]:
+        """The keys of its first `pages` full pages (a new list), hashing only those not keyed
+        before: its tokens only grow, so a key, once computed, stays its page's."""
+        self._key_through(page_size, pages)
+        return self.keys[:pages]
+
+    def page_key(self, page_size: int, index: int) -> int:
+        """The key of its full page `index` (a decode step that fills a page asks for it)."""
+        self._key_through(page_size, index + 1)
+        return self.keys[index]
+
+    def _key_through(self, page_size: int, pages: int) -> None:
+        have = len(self.keys)
+        if pages > have:
+            lo, hi, n = have * page_size, pages * page_size, len(self.prompt)
+            new = self.prompt[lo:hi] + self.gen[max(0, lo - n) : max(0, hi - n)]
+            if len(new) < hi - lo:
+                held = n + len(self.gen)
+                raise ValueError(f"page_keys: {pages} pages of {page_size} tokens, it holds {held}")
+            extend_page_keys(self.keys, new, page_size, self.seed)
 
     def add_token(self, token: int) -> None:
         """Append a generated token and wake whoever streams this request's tokens."""

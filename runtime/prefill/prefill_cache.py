@@ -1,5 +1,9 @@
 """The prefill node's own KV cache: the core's tiered radix tree over pages it computed or read.
 
+What is cached, read from L3, computed and inserted is decided by the core's prefill planner
+(`hicache.core.prefill_plan`), as in the simulator's prefill node; this cache carries the
+decisions out on real pages (copies between L1, L2 and L3, and the model's forward).
+
 A prompt is cut into pages with the decode nodes' salted chained keys (`hicache.core.pages`:
 the `kv` message's `namespace` is the seed), so the pages a prefill node finds are exactly those
 of the same model and tenant: another tenant's identical prompt has other keys, and misses.
@@ -35,9 +39,8 @@ import trio
 
 from hicache.core.commands import Backup
 from hicache.core.pages import page_keys
-from hicache.core.pool import SlotPool
-from hicache.core.restore_cost import RestorePath, restore_pays
-from hicache.core.tree import TieredRadixTree
+from hicache.core.prefill_plan import PrefillPlan, PrefillPlanner, attribute
+from hicache.core.restore_cost import RestorePath
 from hicache.runtime.kv.kv_layout import KVLayout
 from hicache.runtime.kv.kv_pool import KVPool
 from hicache.runtime.model.llama import LlamaModel, to_pages
@@ -50,6 +53,9 @@ DEFAULT_READ_BPS = 1e9  # L3 read speed, bytes/s, until the node has measured it
 DEFAULT_COMPUTE_TPS = 2e3  # prompt tokens/s, until the node has measured its own forwards
 SMOOTHING = 0.25  # weight of the newest measurement in a running estimate
 MEASURED_MIN_TOKENS = 64  # shorter forwards do not move the compute estimate
+# L1 pages a prompt computes in beyond its full pages: its partial last page or, when it has
+# none, a scratch page on which its last token is computed (a tree page is never written).
+WORK_PAGES = 1
 
 
 @attrs.define
@@ -137,12 +143,10 @@ class PrefillCache:
         self.layout = layout
         self.l1 = KVPool(layout, l1_pages, name="prefill-L1")
         self.l2 = KVPool(layout, l2_pages, name="prefill-L2") if l2_pages > 0 else None
-        self.tree = TieredRadixTree(
-            SlotPool("prefill.L1", l1_pages),
-            SlotPool("prefill.L2", l2_pages),
-            eviction=eviction,
-            write_policy="write_through",
+        self.planner = PrefillPlanner(
+            "prefill", l1_pages, l2_pages, layout.page_size, eviction=eviction, copy_backup=self._copy_backup
         )
+        self.tree = self.planner.tree
         self.store = store
         self.speeds = speeds if speeds is not None else Speeds()
         self.stats = CacheStats()
@@ -164,7 +168,7 @@ class PrefillCache:
         streamed (`stream.sent` stays 0)."""
         ids = np.asarray(tokens, dtype=np.int64)
         page = self.layout.page_size
-        if -(-len(ids) // page) + 1 <= self.l1.num_pages:  # + a scratch page for the last token
+        if self.planner.fits(len(ids), WORK_PAGES):
             keys = page_keys(ids, page, namespace).tolist()
             async with self._lock:
                 done = await self._prefill(ids, keys, namespace, first_page, last_page, stream)
@@ -185,35 +189,27 @@ class PrefillCache:
         stream: LayerGroups | None = None,
     ) -> Prefilled | None:
         """Match, restore, compute the rest into L1 and insert; None when L1 has no room."""
-        tree, page, n = self.tree, self.layout.page_size, len(ids)
-        total, full = -(-n // page), len(keys)
-        owner = ("prefill", next(self._owners))
-        pool = tree.device_pool
-        m = tree.match(keys, time.monotonic())
-        d, h = m.device_pages, m.host_pages
-        lock = tree.lock(m.device_node)
-        pin = tree.pin_host(m.host_node) if h else None
-        mine: list[int] = []  # L1 slots this prompt owns until the tree adopts them
+        planner, page, n = self.planner, self.layout.page_size, len(ids)
+        total = -(-n // page)
+        plan = planner.match(keys, n, ("prefill", next(self._owners)), time.monotonic())
+        d, h = plan.device_pages, plan.host_pages
         try:
-            l3 = await self._l3_pages(keys, d + h)
-            scratch_pages = 1 if n % page == 0 else 0  # every page may be cached: see below
-            got = self._alloc(total - d + scratch_pages, owner)
-            if got is None:
+            l3 = await self._l3_pages(plan)
+            if planner.reserve(plan, WORK_PAGES) is None:
                 return None
-            mine = got
-            table = list(m.device_slots) + mine[: total - d]
+            table = plan.table()[:total]  # the last reserved slot is past it: the scratch page
             if h:  # L2 -> L1: the tree takes these slots back on insert
                 assert self.l2 is not None
-                src = torch.tensor(m.host_slots, dtype=torch.int64)
+                src = torch.tensor(plan.host_slots, dtype=torch.int64)
                 self.l1.data[torch.tensor(table[d : d + h], dtype=torch.int64)] = self.l2.data[src]
             read = await self._read_l3(keys[d + h : d + h + l3], table[d + h : d + h + l3]) if l3 else 0
             cached = d + h + read  # leading pages whose KV is here
-            start = min(cached * page, n - 1)
+            start = plan.cached_tokens(cached)
             run = list(table)
             if cached * page > start:
                 # The last token is computed on a scratch copy of its page: tree pages stay as
                 # they were computed (and as the decode nodes that hold them got them).
-                scratch = mine[-1]
+                scratch = plan.table()[-1]
                 self.l1.data[scratch] = self.l1.data[table[cached - 1]]
                 run[cached - 1] = scratch
             on_layer = None
@@ -222,7 +218,7 @@ class PrefillCache:
                 tail = n % page if last == total else 0  # past the prompt: zero, as below
                 on_layer = stream.hook(self.l1.data, sent, tail)
             logits = await self._forward_paged(run, start, ids[start:], on_layer)
-            l1, l2, l3_tokens = _attribute(start, d * page, h * page, read * page)
+            l1, l2, l3_tokens = attribute(start, d * page, h * page, read * page)
             self.stats.computed += n - start
             self.stats.l1 += l1
             self.stats.l2 += l2
@@ -232,55 +228,39 @@ class PrefillCache:
                 # Past the prompt, a reused slot holds whatever it held (another prompt's KV,
                 # maybe another tenant's): what is sent is zero there, as computing gives.
                 pages[-1, :, :, n % page :] = 0
-            if pin is not None:  # its pages are back on L1: L2 may make room again
-                tree.unpin_host(pin)
-                pin = None
-            tree.insert(keys, table[:full], owner, time.monotonic())
-            self._execute_backups()
+            planner.restored(plan)  # its pages are back on L1: L2 may make room again
+            planner.finish(plan, time.monotonic())
             return Prefilled(pages, logits, l1, l2, l3_tokens)
         finally:
-            if pin is not None:
-                tree.unpin_host(pin)
-            tree.unlock(lock)
-            left = [s for s in mine if pool.owner_of(s) == owner]  # the partial and scratch pages
-            if left:
-                pool.free(left, owner)
+            planner.finish(plan, time.monotonic(), insert=False)  # on the way out of a failure
 
-    def _alloc(self, n: int, owner: object) -> list[int] | None:
-        pool = self.tree.device_pool
-        if n > pool.num_free:
-            self.tree.evict_device(n - pool.num_free)
-            self._execute_backups()
-        return pool.alloc(n, owner) if n <= pool.num_free else None
+    def _copy_backup(self, c: Backup) -> bool:
+        """A write-through backup, L1 -> L2, done now (a copy within host memory)."""
+        if self.l2 is None or not c.device_slots:
+            return False
+        dst = torch.tensor(c.host_slots, dtype=torch.int64)
+        self.l2.data[dst] = self.l1.data[torch.tensor(c.device_slots, dtype=torch.int64)]
+        return True
 
-    def _execute_backups(self) -> None:
-        """Write-through backups, L1 -> L2, done now (a copy within host memory)."""
-        for c in self.tree.drain():
-            if isinstance(c, Backup):
-                if self.l2 is not None and c.device_slots:
-                    dst = torch.tensor(c.host_slots, dtype=torch.int64)
-                    self.l2.data[dst] = self.l1.data[torch.tensor(c.device_slots, dtype=torch.int64)]
-                    self.tree.backup_done(c.op)
-                else:
-                    self.tree.backup_done(c.op, range(len(c.device_slots)))
-
-    async def _l3_pages(self, keys: list[int], start: int) -> int:
-        """Pages from `start` on worth reading from L3: held there, and faster read than computed."""
-        if self.store is None or start >= len(keys):
+    async def _l3_pages(self, plan: PrefillPlan) -> int:
+        """Pages after the tree's prefix worth reading from L3: held there, and faster read than
+        computed (the planner weighs the two)."""
+        start = plan.device_pages + plan.host_pages
+        if self.store is None or start >= len(plan.keys):
             return 0
         try:
-            held = await self.store.exists(keys[start:])
+            held = await self.store.exists(list(plan.keys[start:]))
         except Exception as exc:  # a store fault is a miss, never a failed request
             log.warning("L3 exists() failed, computing instead: %s: %s", type(exc).__name__, exc)
             return 0
-        held = max(0, min(int(held), len(keys) - start))
-        if held and not restore_pays(
-            self.speeds.read_seconds(held * self.layout.page_bytes),
-            self.speeds.compute_seconds(held * self.layout.page_size),
-        ):
-            self.stats.l3_declined_pages += held
-            return 0
-        return held
+        l3 = self.planner.take_l3(
+            plan,
+            int(held),
+            lambda pages: self.speeds.read_seconds(pages * self.layout.page_bytes),
+            lambda pages: self.speeds.compute_seconds(pages * self.layout.page_size),
+        )
+        self.stats.l3_declined_pages += plan.l3_declined
+        return l3
 
     async def _read_l3(self, keys: list[int], slots: list[int]) -> int:
         """Read `keys` into L1 `slots`; how many leading pages arrived intact (0 on an error)."""
@@ -364,10 +344,3 @@ class LayerGroups:
             lo = index + 1
 
         return on_layer
-
-
-def _attribute(start: int, l1: int, l2: int, l3: int) -> tuple[int, int, int]:
-    """Tokens before `start` by source, in prompt order (L1, then L2, then L3)."""
-    a = min(l1, start)
-    b = min(l2, start - a)
-    return a, b, min(l3, start - a - b)
