@@ -103,7 +103,7 @@ class Sampling:
         if seed is not None and (not _is_int(seed) or not SEED_RANGE[0] <= seed <= SEED_RANGE[1]):
             raise SamplingError("seed", "an integer in -2**63..2**64-1", seed)
         stops = self.stop_token_ids
-        top = MAX_STOP_TOKEN_IDS if vocab is None else vocab
+        top = math.inf if vocab is None else vocab
         if (
             not isinstance(stops, tuple)
             or len(stops) > MAX_STOP_TOKEN_IDS
