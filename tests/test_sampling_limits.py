@@ -255,3 +255,24 @@ async def test_sampling_the_node_would_refuse_is_a_400_at_the_door_never_a_503(
             "/generate", json={"text": "still here", "sampling_params": {"max_new_tokens": 2}}
         )
         assert again.status_code == 200, again.text  # the node is still serving
+
+
+async def test_a_bad_sampling_field_from_a_peer_ends_that_request_and_the_node_goes_on(
+    tmp_path: Path,
+) -> None:
+    async with node_pair(tmp_path) as pair:
+        client = pair.client
+        bad = {"op": "generate", "rid": "bad", "tokens": [1, 2, 3], "max_new": 2, "sampling": {"top_p": 2}}
+        with trio.fail_after(GUARD_S), pytest.raises(protocol.ProtocolError) as caught:
+            await client.call(bad)
+        assert "field 'sampling.top_p' must be a number in (0, 1], got 2.0" in str(caught.value)
+        sampled = Sampling(temperature=0.8, top_k=50, seed=-3).to_wire()
+        runs = []
+        for n in range(2):
+            msg = {**bad, "rid": f"ok-{n}", "sampling": sampled}
+            with trio.fail_after(GUARD_S):
+                reply, _ = await client.call(msg)
+                await client.idle()
+            assert reply["outcome"] == "finished", reply
+            runs.append(reply["tokens"])
+        assert runs[0] == runs[1] and len(runs[0]) == 2  # one seed, one draw, on this same connection

@@ -192,7 +192,7 @@ def sampling(
     try:
         spec = Sampling.parse(fields, vocab_size)
     except SamplingError as exc:
-        param = where + keys[exc.field]
+        param = where + keys.get(exc.field, exc.field)
         raise bad_request(f"'{param}' must be {exc.expected}, not {show(exc.value)}", param) from None
     return Asked(max_new, spec, stop_strings(obj.get("stop"), where + "stop"))
 
