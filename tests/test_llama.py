@@ -20,8 +20,9 @@ from torch_helpers import one_thread  # noqa: F401  (a fixture)
 
 from hicache.runtime.model.llama import LlamaModel
 from hicache.runtime.model.loader import LoadedModel, default_model_path, load_model
-from hicache.runtime.model.sampling import SamplingParams, sample
+from hicache.runtime.model.sampling import sample
 from hicache.runtime.model.tokenizer import ChatTokenizer, byte_alphabet
+from hicache.runtime.wire.sampling_fields import Sampling
 
 # Our float32 forward against transformers' on the same dequantized weights: measured max
 # |difference| 6.5e-5 on logits of magnitude up to ~35 (summation order, float64 RoPE angles).
@@ -157,7 +158,7 @@ def test_chat_greedy_decoding_on_pages_answers_paris(ours: tuple[LoadedModel, fl
     out: list[int] = []
     position = len(prompt)
     while True:
-        token = sample(logits[None], [SamplingParams()], [position])[0]
+        token = sample(logits[None], [Sampling()], [position])[0]
         out.append(token)
         if token in model.eos_token_ids or len(out) == 24:
             break

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 import attrs
 import torch
@@ -24,7 +23,8 @@ from hicache.runtime.decode.live import Live, LiveTable
 from hicache.runtime.kv.kv_digest import page_digest
 from hicache.runtime.kv.kv_pool import KVPool
 from hicache.runtime.model.llama import TinyModel, from_pages
-from hicache.runtime.wire.sampling_fields import draw
+from hicache.runtime.model.sampling import sample
+from hicache.runtime.wire.sampling_fields import Sampling
 
 # Runs one step's forward (given as a function of no arguments) off the event loop.
 Forward = Callable[[Callable[[], list[int]]], Awaitable[list[int]]]
@@ -40,7 +40,7 @@ class _Step:
     copies: list[tuple[int, int, int] | None] = attrs.Factory(list)  # (page, scratch, positions)
     positions: list[int] = attrs.Factory(list)
     tokens: list[int] = attrs.Factory(list)
-    sampling: list[dict[str, Any]] = attrs.Factory(list)
+    sampling: list[Sampling] = attrs.Factory(list)
 
 
 class Batch:
@@ -189,7 +189,7 @@ class Batch:
                 src, dst, offset = copy
                 data[dst, :, :, :offset] = data[src, :, :, :offset]
         logits = self.model.decode_batch(data, step.tables, step.positions, step.tokens)
-        return draw(logits, step.sampling, [p + 1 for p in step.positions])
+        return sample(logits, step.sampling, [p + 1 for p in step.positions])  # every row seeded
 
     def _advance(self, live: Live, scratch: int, token: int) -> None:
         """The step's token KV exists: tell the core (it grants the page), then copy it there."""

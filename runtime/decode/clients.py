@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import attrs
 import numpy as np
 import torch
 import trio
@@ -30,7 +31,7 @@ from hicache.runtime.security.api_keys import MAX_TENANT_CHARS, OPEN, ApiKeys, P
 from hicache.runtime.security.limits import Gate, peer_name
 from hicache.runtime.tp.tp_rounds import Rounds
 from hicache.runtime.wire import protocol
-from hicache.runtime.wire.sampling_fields import check_sampling, seed_for
+from hicache.runtime.wire.sampling_fields import Sampling, seed_for
 
 log = logging.getLogger("hicache.runtime.decode")
 MAX_ECHOED_RID = 1024  # a refused request's id is echoed in the error when at most this long
@@ -211,16 +212,16 @@ class Clients:
         tenant = self._tenant(msg, who)
         verify = protocol.field(msg, "verify", bool) if msg.get("verify") is not None else False
         streaming = protocol.field(msg, "stream", bool) if msg.get("stream") is not None else False
-        sampling = check_sampling(msg.get("sampling"), self.model.config.vocab)
-        if sampling["seed"] is None:
-            sampling["seed"] = seed_for(rid)
+        sampling = Sampling.from_wire(msg.get("sampling"), self.model.config.vocab)
+        if sampling.seed is None:
+            sampling = attrs.evolve(sampling, seed=seed_for(rid))
         duplicate = {"op": "result", "rid": rid, "outcome": "failed", "reason": "duplicate request id"}
         if rid in self.live:
             return duplicate, b""
         seed = namespace_seed(self.model_name, tenant)
         live = Live(rid, prompt, max_new, seed, verify, self.feed.now(), sampling=sampling)
-        stops = set(sampling.get("stop_token_ids", ()))
-        if not sampling.get("ignore_eos"):
+        stops = set(sampling.stop_token_ids)
+        if not sampling.ignore_eos:
             stops |= set(getattr(self.model, "eos_token_ids", ()))
         live.stop_ids = frozenset(stops)
         keys = live.page_keys(self.page, len(prompt) // self.page)  # kept on `live`, extended as it decodes

@@ -10,6 +10,7 @@ import attrs
 import trio
 
 from hicache.core.pages import extend_page_keys
+from hicache.runtime.wire.sampling_fields import Sampling
 
 
 @attrs.define(eq=False)
@@ -36,7 +37,7 @@ class Live:
     outcome: str = ""
     reason: str = ""
     account: dict[str, int] = attrs.Factory(dict)
-    sampling: dict[str, Any] = attrs.Factory(dict)  # checked (`sampling.check`); prefill gets it too
+    sampling: Sampling = attrs.Factory(Sampling)  # seeded at arrival; prefill gets it too
     stop_ids: frozenset[int] = frozenset()  # a generated token among these ends the request
     finish_reason: str = ""  # "stop" (a stop token) or "length" (max_new), once Finished
     changed: trio.Event = attrs.Factory(trio.Event)  # set (and replaced) when tokens are added

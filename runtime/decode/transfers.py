@@ -80,7 +80,7 @@ class Transfers:
             **({"heads": self.heads} if self.heads is not None else {}),
             "tokens": live.tokens[: c.prompt_len],  # the prompt of this admission
             "namespace": live.seed,  # prefill reuses work only within one tenant's namespace
-            "sampling": live.sampling,  # prefill draws the first token as the decode node draws the rest
+            "sampling": live.sampling.to_wire(),  # prefill draws the first token as decode draws the rest
             "start": c.start,
             "end": end,
             "dst": dst,

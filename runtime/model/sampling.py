@@ -9,48 +9,38 @@ ask for, and after a restart or a retraction that recomputes it (given the same 
 from __future__ import annotations
 
 import hashlib
-import math
 from collections.abc import Sequence
+from typing import Protocol
 
-import attrs
 import torch
 
-
-def _check(instance: SamplingParams) -> None:
-    t, p, k, m, seed = instance.temperature, instance.top_p, instance.top_k, instance.min_p, instance.seed
-    if isinstance(t, bool) or not isinstance(t, int | float) or not 0.0 <= t < math.inf:
-        raise ValueError(f"SamplingParams.temperature: expected a finite number >= 0 (0 = greedy), got {t!r}")
-    if isinstance(p, bool) or not isinstance(p, int | float) or not 0.0 < p <= 1.0:
-        raise ValueError(f"SamplingParams.top_p: expected a number in (0, 1], got {p!r}")
-    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
-        raise ValueError(f"SamplingParams.top_k: expected an integer >= 0 (0 = off), got {k!r}")
-    if isinstance(m, bool) or not isinstance(m, int | float) or not 0.0 <= m < 1.0:
-        raise ValueError(f"SamplingParams.min_p: expected a number in [0, 1), got {m!r}")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise ValueError(f"SamplingParams.seed: expected an integer or None, got {seed!r}")
+MIN_TEMPERATURE = 1e-6  # below it, logits / temperature overflows: drawn greedily, as SGLang does
 
 
-@attrs.frozen(slots=True, kw_only=True)
-class SamplingParams:
-    """How one request picks its tokens (OpenAI-style knobs).
+class Knobs(Protocol):
+    """How one request picks its tokens: a checked `Sampling` (`runtime/wire/sampling_fields.py`,
+    which holds the limits; this package imports no other, so it names the fields it reads).
 
     `temperature` 0 is greedy (the lowest index among equal maxima); `top_k` 0 and `top_p` 1 and
     `min_p` 0 are off. `seed` None means "derived from the request": `sample` then uses the
     request's key, so the caller must pass `request_keys`.
     """
 
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
-
-    def __attrs_post_init__(self) -> None:
-        _check(self)
-
     @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+    def temperature(self) -> float: ...
+    @property
+    def top_p(self) -> float: ...
+    @property
+    def top_k(self) -> int: ...
+    @property
+    def min_p(self) -> float: ...
+    @property
+    def seed(self) -> int | None: ...
+
+
+def is_greedy(params: Knobs) -> bool:
+    """Whether `params` picks the top token: temperature 0 (or too small to divide by), top_k 1."""
+    return params.temperature < MIN_TEMPERATURE or params.top_k == 1
 
 
 def _uniform(seed: int | str, position: int) -> float:
@@ -60,7 +50,7 @@ def _uniform(seed: int | str, position: int) -> float:
     return float(torch.rand((), generator=gen, dtype=torch.float64))
 
 
-def _sample_row(logits: torch.Tensor, params: SamplingParams, u: float) -> int:
+def _sample_row(logits: torch.Tensor, params: Knobs, u: float) -> int:
     scaled = logits.to(torch.float64) / params.temperature
     # Descending, ties by lowest index: the order every filter and the draw walk.
     order = torch.sort(-scaled, stable=True).indices
@@ -83,7 +73,7 @@ def _sample_row(logits: torch.Tensor, params: SamplingParams, u: float) -> int:
 
 def sample(
     logits: torch.Tensor,
-    params: Sequence[SamplingParams],
+    params: Sequence[Knobs],
     positions: Sequence[int],
     request_keys: Sequence[int | str] | None = None,
 ) -> list[int]:
@@ -109,7 +99,7 @@ def sample(
     greedy = logits.argmax(dim=1).tolist()
     out = []
     for b, p in enumerate(params):
-        if p.greedy:
+        if is_greedy(p):
             out.append(int(greedy[b]))
             continue
         seed = p.seed if p.seed is not None else (request_keys[b] if request_keys is not None else None)

@@ -41,6 +41,7 @@ from hicache.runtime.kv.kv_digest import page_digests
 from hicache.runtime.kv.kv_layout import KVLayout
 from hicache.runtime.kv.kv_pool import KVPool
 from hicache.runtime.model.llama import LlamaModel
+from hicache.runtime.model.sampling import sample
 from hicache.runtime.prefill.prefill_cache import (
     DEFAULT_CACHE_BYTES,
     LayerGroups,
@@ -56,7 +57,7 @@ from hicache.runtime.storage.base import StorageBackend
 from hicache.runtime.tp.tp_kv import head_parts, heads_field
 from hicache.runtime.transfer.base import MemoryRegion, Span, TransferEngine, XferHandle, XferState
 from hicache.runtime.wire import compat, protocol
-from hicache.runtime.wire.sampling_fields import check_sampling, draw
+from hicache.runtime.wire.sampling_fields import Sampling
 
 
 class _PageAllocator:
@@ -344,14 +345,15 @@ class PrefillNode:
             first_page, last_page = start // page, math.ceil(end / page)
             if len(dst) != last_page - first_page:
                 raise ValueError(f"{len(dst)} destination pages for pages {first_page}..{last_page - 1}")
-            sampling = check_sampling(msg.get("sampling"), self.model.config.vocab)
+            sampling = Sampling.from_wire(msg.get("sampling"), self.model.config.vocab, "kv")
             heads = heads_field(msg, self.layout.kv_heads)
             notif = f"kv:{tid}".encode()
             done, digests = await self._prefill_and_send(
                 tokens, namespace, first_page, last_page, peer, dst, notif, heads
             )
-            # The first token is drawn here as the decode node draws the rest (`sampling_fields`).
-            (first_token,) = draw(done.logits[None, :], [sampling], [len(tokens)])
+            # The first token is drawn here as the decode node draws the rest; a message without
+            # a seed (the decode node always sends one) draws from seed 0.
+            (first_token,) = sample(done.logits[None, :], [sampling], [len(tokens)], request_keys=[0])
             cached = {"l1": done.l1, "l2": done.l2, "l3": done.l3}
             reply.update(ok=True, first_token=first_token, digests=digests, cached=cached)
         except protocol.MessageError as exc:  # a bad field: the reason names it

@@ -12,22 +12,17 @@ from typing import Literal, Protocol, runtime_checkable
 
 import attrs
 
+from hicache.runtime.wire.sampling_fields import Sampling
+
 TIERS = ("l1", "l2", "l3")  # decode GPU pool, host memory, storage: the tiers cached tokens came from
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 
 
-@attrs.frozen
-class SamplingSpec:
-    """How to pick tokens. top_k 0: off; temperature 0: greedy. The backend applies all of it,
-    stop token ids and EOS included; stop strings are the front door's."""
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
+# How to pick tokens: the one sampling type, which the decode node checks with the same limits
+# (`runtime/wire/sampling_fields.py`). The backend applies all of it, stop token ids and EOS
+# included; stop strings are the front door's. The old name stays for callers that use it.
+SamplingSpec = Sampling
 
 
 @attrs.frozen
@@ -39,7 +34,7 @@ class GenerateRequest:
     rid: str
     input_ids: list[int]
     max_new_tokens: int
-    sampling: SamplingSpec
+    sampling: Sampling
     tenant: str | None = None
     session: str = ""
 

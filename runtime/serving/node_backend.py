@@ -52,8 +52,7 @@ class NodeBackend:
             self._idle.append(client)
 
     async def generate(self, req: GenerateRequest) -> AsyncGenerator[GenerateEvent, None]:
-        sampling = attrs.asdict(req.sampling)
-        sampling["stop_token_ids"] = list(sampling["stop_token_ids"])
+        sampling = req.sampling.to_wire()
         try:
             client = await self._client()
         except OSError as exc:

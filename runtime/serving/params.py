@@ -15,14 +15,12 @@ from typing import Any
 import attrs
 from starlette.requests import ClientDisconnect, Request
 
-from hicache.runtime.serving.backend import SamplingSpec
 from hicache.runtime.serving.errors import ApiError, bad_request, show
+from hicache.runtime.wire.sampling_fields import Sampling, SamplingError
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024
-MAX_STOP_TOKEN_IDS = 256
 MAX_ID_CHARS = 128
-_INT64 = (-(2**63), 2**64 - 1)
 DRAIN_BYTES = 1 << 20  # of a body sent without Content-Length, read past the limit and dropped
 
 
@@ -85,17 +83,6 @@ def integer(value: object, param: str, lo: int, hi: int) -> int:
         raise bad_request(f"'{param}' must be an integer, not {show(value)}", param)
     if not lo <= value <= hi:
         raise bad_request(f"'{param}' must be between {lo} and {hi}, not {show(value)}", param)
-    return value
-
-
-def number(value: object, param: str, lo: float, hi: float, *, lo_open: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise bad_request(f"'{param}' must be a number, not {show(value)}", param)
-    value = float(value)
-    below = value <= lo if lo_open else value < lo
-    if not math.isfinite(value) or below or value > hi:
-        bracket = "(" if lo_open else "["
-        raise bad_request(f"'{param}' must be in {bracket}{lo}, {hi}], not {show(value)}", param)
     return value
 
 
@@ -172,11 +159,11 @@ def refuse_unsupported(obj: Mapping[str, Any], fields: tuple[Unsupported, ...], 
 
 
 @attrs.frozen
-class Sampling:
+class Asked:
     """Sampling as a request states it, before the prompt's length settles max_new_tokens."""
 
     max_new_tokens: int | None
-    spec: SamplingSpec
+    spec: Sampling
     stop: tuple[str, ...]
 
 
@@ -188,42 +175,26 @@ def sampling(
     vocab_size: int,
     max_context: int,
     where: str = "",
-) -> Sampling:
-    """The fields both APIs share; `max_keys` in order of precedence (the first present wins)."""
-
-    def get(key: str) -> Any:
-        return obj.get(key)
-
+) -> Asked:
+    """The fields both APIs share; `max_keys` and `seed_keys` in order of precedence (the first
+    present wins). The sampling fields are checked by `Sampling` itself, with the limits the
+    decode node checks them by: what passes here, the node takes."""
     max_new = None
     for key in max_keys:
-        if get(key) is not None:
-            max_new = integer(get(key), where + key, 1, max_context)
+        if obj.get(key) is not None:
+            max_new = integer(obj.get(key), where + key, 1, max_context)
             break
-    seed = None
-    for key in seed_keys:
-        if get(key) is not None:
-            seed = integer(get(key), where + key, *_INT64)
-            break
-    temperature = (
-        1.0 if get("temperature") is None else number(get("temperature"), where + "temperature", 0, 1e4)
-    )
-    top_p = 1.0 if get("top_p") is None else number(get("top_p"), where + "top_p", 0, 1, lo_open=True)
-    top_k = 0 if get("top_k") is None else integer(get("top_k"), where + "top_k", -1, 2**31 - 1)
-    stop_ids: tuple[int, ...] = ()
-    if get("stop_token_ids") is not None:
-        stop_ids = tuple(
-            token_ids(get("stop_token_ids"), where + "stop_token_ids", vocab_size, MAX_STOP_TOKEN_IDS)
-        )
-    ignore_eos = False if get("ignore_eos") is None else boolean(get("ignore_eos"), where + "ignore_eos")
-    spec = SamplingSpec(
-        temperature=temperature,
-        top_p=top_p,
-        top_k=max(top_k, 0),  # SGLang's -1 and OpenAI-style 0 both mean "off"
-        seed=seed,
-        stop_token_ids=stop_ids,
-        ignore_eos=ignore_eos,
-    )
-    return Sampling(max_new, spec, stop_strings(get("stop"), where + "stop"))
+    keys = {name: name for name in ("temperature", "top_p", "top_k", "stop_token_ids", "ignore_eos")}
+    keys["seed"] = next((k for k in seed_keys if obj.get(k) is not None), seed_keys[0])
+    fields = {name: obj.get(key) for name, key in keys.items()}
+    if fields["temperature"] is None:
+        fields["temperature"] = 1.0  # both APIs' default; `Sampling`'s own is greedy
+    try:
+        spec = Sampling.parse(fields, vocab_size)
+    except SamplingError as exc:
+        param = where + keys.get(exc.field, exc.field)
+        raise bad_request(f"'{param}' must be {exc.expected}, not {show(exc.value)}", param) from None
+    return Asked(max_new, spec, stop_strings(obj.get("stop"), where + "stop"))
 
 
 def settle_max_new_tokens(

@@ -1,96 +1,158 @@
-"""The `sampling` field of a `generate` message, checked like every other field a client sends.
+"""How one request picks its tokens: the one definition of the sampling fields and their limits.
 
-A client asks for greedy decoding (the default: `temperature` 0), or for sampling with
-`temperature`, `top_p`, `top_k` and a `seed`; `stop_token_ids` end the request early, and
-`ignore_eos` keeps the model's own end-of-sequence tokens from doing so. The checked dict goes to
-the prefill node with the request (it samples the first token) and drives every later token
-on the decode node, so both sides draw the same way.
+The front door builds a `Sampling` from an HTTP body (a refusal there is a 400 naming the
+client's key), the decode node from a `generate` message and the prefill node from a `kv`
+message (`from_wire`: a refusal ends that request with the reason, never the node), and the
+sampler (`runtime/model/sampling.py`) draws with it. One set of limits, so a value the node
+would refuse never gets past the front door.
+
+A client asks for greedy decoding (`temperature` 0, the default here), or for sampling with
+`temperature`, `top_p`, `top_k`, `min_p` and a `seed`; `stop_token_ids` end the request early,
+and `ignore_eos` keeps the model's own end-of-sequence tokens from doing so. No torch here: the
+front door imports this module and runs without it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping
 from typing import Any
 
-import torch
+import attrs
 
-from hicache.runtime.model.sampling import SamplingParams, sample
 from hicache.runtime.wire.protocol import MessageError, show
 
-MAX_STOP_TOKENS = 64
-DEFAULTS: dict[str, Any] = {
-    "temperature": 0.0,
-    "top_p": 1.0,
-    "top_k": 0,
-    "seed": None,
-    "stop_token_ids": (),
-    "ignore_eos": False,
-}
+MAX_TEMPERATURE = 100.0  # far past where every token is equally likely
+MAX_TOP_K = 2**31 - 1
+MAX_STOP_TOKEN_IDS = 256
+SEED_RANGE = (-(2**63), 2**64 - 1)  # a 64-bit integer, signed or unsigned (JSON clients send both)
 
 
-def _bad(name: str, expected: str, value: object) -> MessageError:
-    return MessageError(f"message 'generate': field 'sampling.{name}' must be {expected}, got {show(value)}")
+class SamplingError(ValueError):
+    """A sampling field outside its limits: which field, what it must be, and what came."""
+
+    def __init__(self, field: str, expected: str, value: object) -> None:
+        self.field, self.expected, self.value = field, expected, value
+        super().__init__(f"'{field}' must be {expected}, not {show(value)}")
 
 
-def _number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+def _as_float(value: object) -> object:
+    """A number as a float; anything else (a bool, a string, an int past float) as it came, for
+    the check to refuse by name."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        try:
+            return float(value)
+        except OverflowError:
+            return value
+    return value
 
 
-def check_sampling(raw: object, vocab: int) -> dict[str, Any]:
-    """The sampling parameters in `raw` (None: all defaults), or a `MessageError` naming the
-    first bad one."""
-    if raw is None:
-        return dict(DEFAULTS)
-    if not isinstance(raw, dict):
-        raise MessageError(f"message 'generate': field 'sampling' must be an object, got {show(raw)}")
-    unknown = sorted(set(raw) - set(DEFAULTS))
-    if unknown:
-        raise MessageError(
-            f"message 'generate': field 'sampling' has unknown key {show(unknown[0])}; "
-            f"expected some of {', '.join(DEFAULTS)}"
-        )
-    out = {**DEFAULTS, **{k: v for k, v in raw.items() if v is not None}}
-    t = out["temperature"]
-    if not _number(t) or not 0 <= t <= 100:
-        raise _bad("temperature", "a number in 0..100 (0: greedy)", t)
-    p = out["top_p"]
-    if not _number(p) or not 0 < p <= 1:
-        raise _bad("top_p", "a number in (0, 1]", p)
-    k = out["top_k"]
-    if type(k) is not int or not 0 <= k <= vocab:
-        raise _bad("top_k", f"an integer in 0..{vocab} (0: no limit)", k)
-    seed = out["seed"]
-    if seed is not None and (type(seed) is not int or not 0 <= seed < 1 << 63):
-        raise _bad("seed", "an integer in 0..2**63-1", seed)
-    stops = out["stop_token_ids"]
-    if (
-        not isinstance(stops, list | tuple)
-        or len(stops) > MAX_STOP_TOKENS
-        or not all(type(t) is int and 0 <= t < vocab for t in stops)
-    ):
-        expected = f"a list of at most {MAX_STOP_TOKENS} token ids in 0..{vocab - 1}"
-        raise _bad("stop_token_ids", expected, stops)
-    if not isinstance(out["ignore_eos"], bool):
-        raise _bad("ignore_eos", "true or false", out["ignore_eos"])
-    out["temperature"], out["top_p"] = float(t), float(p)
-    out["stop_token_ids"] = list(stops)
-    return out
+def _as_int(value: object) -> object:
+    """An integral float (100.0, as some JSON encoders write integers) as an int."""
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        return int(value)
+    return value
+
+
+def _as_top_k(value: object) -> object:
+    """SGLang's -1 and the 0 of others both mean "no limit": stored as 0."""
+    value = _as_int(value)
+    return 0 if type(value) is int and value == -1 else value
+
+
+def _as_tuple(value: object) -> object:
+    return tuple(value) if isinstance(value, list | tuple) else value
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@attrs.frozen(kw_only=True)
+class Sampling:
+    """One request's sampling, checked when made: every instance is within the limits above.
+
+    `temperature` 0 is greedy; `top_k` 0, `top_p` 1 and `min_p` 0 are off. `seed` None means
+    "derived from the request": the decode node fills it in (`seed_for`) before anything draws.
+    """
+
+    temperature: float = attrs.field(default=0.0, converter=_as_float)
+    top_p: float = attrs.field(default=1.0, converter=_as_float)
+    top_k: int = attrs.field(default=0, converter=_as_top_k)
+    min_p: float = attrs.field(default=0.0, converter=_as_float)
+    seed: int | None = attrs.field(default=None, converter=_as_int)
+    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_as_tuple)
+    ignore_eos: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        self.check()
+
+    def check(self, vocab: int | None = None) -> Sampling:
+        """This value, or a `SamplingError` naming the first field outside its limits; with
+        `vocab`, stop token ids must also be tokens of that vocabulary."""
+        t, p, k, m, seed = self.temperature, self.top_p, self.top_k, self.min_p, self.seed
+        if type(t) is not float or not 0.0 <= t <= MAX_TEMPERATURE:  # NaN fails both
+            raise SamplingError("temperature", f"a number in [0, {MAX_TEMPERATURE:g}] (0: greedy)", t)
+        if type(p) is not float or not 0.0 < p <= 1.0:
+            raise SamplingError("top_p", "a number in (0, 1]", p)
+        if not _is_int(k) or not 0 <= k <= MAX_TOP_K:
+            raise SamplingError("top_k", f"an integer in -1..{MAX_TOP_K} (0 or -1: no limit)", k)
+        if type(m) is not float or not 0.0 <= m < 1.0:
+            raise SamplingError("min_p", "a number in [0, 1) (0: off)", m)
+        if seed is not None and (not _is_int(seed) or not SEED_RANGE[0] <= seed <= SEED_RANGE[1]):
+            raise SamplingError("seed", "an integer in -2**63..2**64-1", seed)
+        stops = self.stop_token_ids
+        top = math.inf if vocab is None else vocab
+        if (
+            not isinstance(stops, tuple)
+            or len(stops) > MAX_STOP_TOKEN_IDS
+            or not all(_is_int(s) and 0 <= s < top for s in stops)
+        ):
+            ids = "token ids" if vocab is None else f"token ids in [0, {vocab})"
+            raise SamplingError("stop_token_ids", f"a list of at most {MAX_STOP_TOKEN_IDS} {ids}", stops)
+        if not isinstance(self.ignore_eos, bool):
+            raise SamplingError("ignore_eos", "true or false", self.ignore_eos)
+        return self
+
+    @classmethod
+    def parse(cls, fields: Mapping[str, Any], vocab: int) -> Sampling:
+        """A `Sampling` from `fields` named as here (a missing or None field takes its default),
+        checked against `vocab`; a `SamplingError` names the first bad one."""
+        return cls(**{k: v for k, v in fields.items() if v is not None}).check(vocab)
+
+    def to_wire(self) -> dict[str, Any]:
+        """The `sampling` field of a node message (JSON)."""
+        wire = attrs.asdict(self)
+        wire["stop_token_ids"] = list(self.stop_token_ids)
+        return wire
+
+    @classmethod
+    def from_wire(cls, raw: object, vocab: int, op: str = "generate") -> Sampling:
+        """The `sampling` field of message `op` (None: every default), checked again, whoever
+        sent it; a bad one is a `MessageError` (the request ends with it as the reason)."""
+        if raw is None:
+            return cls()
+        if not isinstance(raw, dict):
+            raise MessageError(f"message {op!r}: field 'sampling' must be an object, got {show(raw)}")
+        unknown = sorted(map(str, set(raw) - set(FIELDS)))
+        if unknown:
+            raise MessageError(
+                f"message {op!r}: field 'sampling' has unknown key {show(unknown[0])}; "
+                f"expected some of {', '.join(FIELDS)}"
+            )
+        try:
+            return cls.parse(raw, vocab)
+        except SamplingError as exc:
+            raise MessageError(
+                f"message {op!r}: field 'sampling.{exc.field}' must be {exc.expected}, got {show(exc.value)}"
+            ) from None
+
+
+FIELDS = tuple(a.name for a in attrs.fields(Sampling))
 
 
 def seed_for(rid: str) -> int:
     """A request's sampling seed when the client gives none: fixed by its id, so the prefill
     node (first token) and the decode node (the rest) draw from one stream."""
     return int.from_bytes(hashlib.blake2b(rid.encode("utf-8", "replace"), digest_size=8).digest()) >> 1
-
-
-def draw(logits: torch.Tensor, sampling: Sequence[dict[str, Any]], positions: Sequence[int]) -> list[int]:
-    """The next token of each row of `logits` (B, vocab) under its request's `check_sampling`
-    dict (`runtime/model/sampling.py`: the same token whatever batch the request is in, and
-    whichever node draws it). A dict without a seed draws from seed 0."""
-    params = [
-        SamplingParams(temperature=p["temperature"], top_p=p["top_p"], top_k=p["top_k"], seed=p["seed"] or 0)
-        for p in sampling
-    ]
-    return sample(logits, params, positions)
