@@ -37,7 +37,8 @@ from page_layouts import layout_for  # noqa: E402
 
 from hicache.runtime.kv.kv_layout import KVLayout  # noqa: E402
 from hicache.runtime.kv.kv_pool import KVPool  # noqa: E402
-from hicache.runtime.storage.file_store import HEADER_SIZE, FileStore  # noqa: E402
+from hicache.runtime.storage.file_store import FileStore  # noqa: E402
+from hicache.runtime.storage.page_file import HEADER_SIZE  # noqa: E402
 
 
 async def one_run(

@@ -48,7 +48,7 @@ from hicache.runtime.nodes import layout_for
 from hicache.runtime.storage import FileStore, MemoryStore
 from hicache.runtime.storage.base import KEY_LIMIT, key_value
 from hicache.runtime.transfer import MemoryRegion, PeerInfo, TcpEngine, XferState
-from hicache.runtime.transfer.tcp import HEADER, MAGIC, VERSION, Msg, encode_header
+from hicache.runtime.transfer.tcp_wire import HEADER, MAGIC, VERSION, Msg, encode_header
 from hicache.runtime.wire import protocol
 from hicache.scenarios.scenario import Scenario, ScenarioError, load_scenario
 from hicache.scenarios.traces import (

@@ -106,6 +106,18 @@ RUNTIME_PACKAGES: dict[str, frozenset[str]] = {
     "decode": frozenset({"kv", "model", "wire", "security", "storage", "transfer", "tp"}),
     "serving": frozenset({"wire", "security"}),
 }
+# Modules split by job -> their parts, in the same folder. The module gathers the parts (it
+# imports each; llama and twin re-export the parts' public names, so their importers name them
+# alone); a part never imports the module that gathers it, and docs/architecture.md names every
+# part.
+SPLIT_MODULES: dict[str, tuple[str, ...]] = {
+    "runtime/model/llama.py": (
+        "llama_config", "llama_weights", "attention", "kv_places", "kv_pages", "paged_inputs",
+    ),
+    "runtime/transfer/tcp.py": ("tcp_wire", "tcp_handshake", "tcp_target"),
+    "runtime/storage/file_store.py": ("page_file", "file_io", "file_recovery"),
+    "sim/twin.py": ("twin_recording", "twin_scenario", "twin_replay", "twin_compare", "twin_report"),
+}  # fmt: skip
 # Glob (relative to the repository root) -> the rule for the files it finds; TOP_FILES are exempt.
 RULES: dict[str, Rule] = {
     "hicache/core/**/*.py": CORE,
@@ -468,6 +480,58 @@ def test_the_docs_name_every_runtime_package() -> None:
     assert missing == [], f"the Layers picture does not name runtime's packages {missing}"
     missing = [p for p in sorted(RUNTIME_PACKAGES) if f"runtime/{p}/" not in runtime.group(1)]
     assert missing == [], f"the runtime section does not name runtime/{missing}"
+
+
+def _dotted(rel: str) -> str:
+    """The installed name of a module file: runtime/model/llama.py -> hicache.runtime.model.llama."""
+    return "hicache." + rel.removesuffix(".py").replace("/", ".")
+
+
+def split_module_breaches(root: Path) -> list[str]:
+    """One line per part of a split module that is missing, not gathered by its module, or
+    imports the module that gathers it."""
+    out = []
+    for rel, parts in SPLIT_MODULES.items():
+        whole = _dotted(rel)
+        gathered = {name for _, name in imported(root / rel)}
+        for part in parts:
+            path = (root / rel).with_name(f"{part}.py")
+            if not path.is_file():
+                out.append(f"{rel}: its part {part}.py is missing")
+                continue
+            dotted = _dotted(path.relative_to(root).as_posix())
+            if not any(name == dotted or name.startswith(dotted + ".") for name in gathered):
+                out.append(f"{rel}: does not import its part {dotted}")
+            where = path.relative_to(root).as_posix()
+            for line, name in imported(path):
+                if name == whole or name.startswith(whole + "."):
+                    out.append(f"{where}:{line}: a part imports {whole}, which gathers it")
+    return out
+
+
+def test_split_modules_gather_their_parts() -> None:
+    assert split_module_breaches(ROOT) == []
+    text = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    missing = [f"{p}.py" for parts in SPLIT_MODULES.values() for p in parts if f"{p}.py" not in text]
+    assert missing == [], f"docs/architecture.md does not name {missing}"
+
+
+def test_a_part_importing_its_whole_is_found(tmp_path: Path) -> None:
+    for rel, parts in SPLIT_MODULES.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("".join(f"import {_dotted(rel).rsplit('.', 1)[0]}.{p}\n" for p in parts))
+        for p in parts:
+            (tmp_path / rel).with_name(f"{p}.py").write_text("")
+    tcp = tmp_path / "runtime/transfer/tcp_wire.py"
+    tcp.write_text("from hicache.runtime.transfer.tcp import TcpEngine\n")
+    (tmp_path / "sim/twin.py").write_text("import hicache.sim.twin_recording\n")
+    assert split_module_breaches(tmp_path) == [
+        "runtime/transfer/tcp_wire.py:1: a part imports hicache.runtime.transfer.tcp, which gathers it",
+        "sim/twin.py: does not import its part hicache.sim.twin_scenario",
+        "sim/twin.py: does not import its part hicache.sim.twin_replay",
+        "sim/twin.py: does not import its part hicache.sim.twin_compare",
+        "sim/twin.py: does not import its part hicache.sim.twin_report",
+    ]
 
 
 def test_every_runtime_package_is_installed() -> None:

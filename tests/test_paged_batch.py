@@ -134,10 +134,12 @@ def test_numpy_and_torch_integers_work_as_page_tables_positions_and_tokens() -> 
         pool.clone(), [slots[:2], slots[2:]], list(np.array([5, 2])), torch.tensor([11, 12])
     )
     assert torch.equal(as_lists, as_arrays)
+    checked = MODEL.forward_paged(pool.clone(), [slots[:2], slots[2:]], list(np.array([5, 2])), [[11], [12]])
+    assert torch.equal(as_lists, checked)
     with pytest.raises(ValueError, match=r"positions\[0\]: expected an integer >= 0, got 1.5"):
-        MODEL.decode_batch(pool, [[0]], [1.5], [1])  # type: ignore[list-item]
+        MODEL.forward_paged(pool, [[0]], [1.5], [[1]])  # type: ignore[list-item]
     with pytest.raises(ValueError, match=r"page_tables\[0\]\[0\]: expected a page"):
-        MODEL.decode_batch(pool, [[True]], [0], [1])
+        MODEL.forward_paged(pool, [[True]], [0], [[1]])
 
 
 def test_a_request_gets_the_same_logits_alone_or_in_any_batch() -> None:
@@ -196,27 +198,36 @@ def test_batched_prefill_of_several_lengths_in_float32() -> None:
 
 
 def test_bad_paged_input_names_the_argument() -> None:
+    """`forward_paged` checks every value (what prefill and tests hand it); the decode step
+    checks only what costs the same for any batch: the pool and the batch's lengths."""
     cfg, page_size = MODEL.config, 4
     pool = make_pool(MODEL, 6, page_size, seed=5)
-    with pytest.raises(ValueError, match="pool: expected a contiguous"):
-        MODEL.decode_batch(pool.float(), [[0]], [0], [1])
-    with pytest.raises(ValueError, match="pool: expected shape"):
-        MODEL.decode_batch(pool[0], [[0]], [0], [1])
+    for forward in (MODEL.decode_batch, lambda p, t, s, x: MODEL.forward_paged(p, t, s, [[i] for i in x])):
+        with pytest.raises(ValueError, match="pool: expected a contiguous"):
+            forward(pool.float(), [[0]], [0], [1])
+        with pytest.raises(ValueError, match="pool: expected shape"):
+            forward(pool[0], [[0]], [0], [1])
+        with pytest.raises(ValueError, match="expected equal non-zero lengths"):
+            forward(pool, [[0], [1]], [0], [1, 2])
+        with pytest.raises(ValueError, match="expected equal non-zero lengths"):
+            forward(pool, [], [], [])
     with pytest.raises(
         ValueError, match=r"page_tables\[1\]: positions up to 4 need 2 pages of 4 tokens, got 1"
     ):
-        MODEL.decode_batch(pool, [[0, 1], [2]], [4, 4], [1, 2])
+        MODEL.forward_paged(pool, [[0, 1], [2]], [4, 4], [[1], [2]])
     with pytest.raises(ValueError, match=r"page_tables\[0\]\[1\]: expected a page in \[0, 6\), got 6"):
-        MODEL.decode_batch(pool, [[0, 6]], [5], [1])
+        MODEL.forward_paged(pool, [[0, 6]], [5], [[1]])
     with pytest.raises(ValueError, match=r"page_tables\[1\]: position 2 would write page 0 slot 2"):
-        MODEL.decode_batch(pool, [[0], [0]], [2, 2], [1, 2])
+        MODEL.forward_paged(pool, [[0], [0]], [2, 2], [[1], [2]])
     with pytest.raises(
         ValueError, match=rf"tokens\[0\]: expected a non-empty list of ids in \[0, {cfg.vocab}\)"
     ):
-        MODEL.decode_batch(pool, [[0]], [0], [cfg.vocab])
+        MODEL.forward_paged(pool, [[0]], [0], [[cfg.vocab]])
+    with pytest.raises(ValueError, match=r"tokens\[0\]: expected a non-empty list"):
+        MODEL.forward_paged(pool, [[0]], [0], [[]])
     with pytest.raises(ValueError, match=r"positions\[0\]: expected an integer >= 0"):
-        MODEL.decode_batch(pool, [[0]], [-1], [1])
-    with pytest.raises(ValueError, match="expected equal non-zero lengths"):
-        MODEL.decode_batch(pool, [[0], [1]], [0], [1, 2])
-    with pytest.raises(ValueError, match="expected equal non-zero lengths"):
-        MODEL.decode_batch(pool, [], [], [])
+        MODEL.forward_paged(pool, [[0]], [-1], [[1]])
+    before = pool.clone()
+    with pytest.raises(ValueError):
+        MODEL.forward_paged(pool, [[0], [0]], [2, 2], [[1], [2]])
+    assert torch.equal(pool, before)  # a refused batch writes nothing

@@ -24,15 +24,9 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from hicache.runtime.kv.kv_layout import KVLayout
 from hicache.runtime.kv.kv_pool import KVPool
 from hicache.runtime.storage import FileStore, MemoryStore, StorageBackend, key_name, key_value
-from hicache.runtime.storage.file_store import (
-    HEADER,
-    HEADER_SIZE,
-    KEY_FILE,
-    MAGIC,
-    mac_key,
-    pack_header,
-    temp_name,
-)
+from hicache.runtime.storage.file_recovery import temp_name
+from hicache.runtime.storage.file_store import KEY_FILE
+from hicache.runtime.storage.page_file import HEADER, HEADER_SIZE, MAGIC, mac_key, pack_header
 
 LAYOUT = KVLayout(layers=2, kv_heads=2, head_dim=8, page_size=4, dtype="bfloat16")  # 512-byte pages
 KEYS = [0x0123456789ABCDEF, 7, 2**64 - 1, 0xFEDCBA9876543210, 42]

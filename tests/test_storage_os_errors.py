@@ -30,6 +30,7 @@ from test_runtime_storage import LAYOUT, filled_pool, rows
 from hicache.runtime.kv.kv_pool import KVPool
 from hicache.runtime.storage import FileStore
 from hicache.runtime.storage import file_store as fs
+from hicache.runtime.storage.file_recovery import host_tag, temp_name
 
 LOGGER = "hicache.runtime.storage"
 
@@ -262,7 +263,7 @@ async def test_start_up_clean_up_does_not_follow_a_symlinked_sub_folder(tmp_path
     (outside / ".0123456789abcdef.a1b2c3.tmp").write_bytes(b"someone else's")  # version 1's naming
     FileStore(root, LAYOUT)
     assert (outside / ".0123456789abcdef.a1b2c3.tmp").exists()
-    stale = outside / fs.temp_name(0x0123456789ABCDEF, pid=_reaped_pid())  # one it would remove
+    stale = outside / temp_name(0x0123456789ABCDEF, pid=_reaped_pid())  # one it would remove
     stale.write_bytes(b"partial")
     assert FileStore(root, LAYOUT).leftovers_removed == 0
     assert stale.exists() and (root / "01").is_symlink()
@@ -320,9 +321,9 @@ async def test_start_up_removes_only_temporaries_of_writers_that_are_gone(tmp_pa
     sub = tmp_path / "01"
     with subprocess.Popen(["sleep", "60"]) as alive:
         try:
-            live = [sub / fs.temp_name(0x0123456789ABCDEF, pid=alive.pid), sub / fs.temp_name(1)]
-            gone = [sub / fs.temp_name(0x0123456789ABCDEF, pid=_reaped_pid())]
-            other_host = [sub / fs.temp_name(2, pid=_reaped_pid()).replace(fs.host_tag(), "0badc0de")]
+            live = [sub / temp_name(0x0123456789ABCDEF, pid=alive.pid), sub / temp_name(1)]
+            gone = [sub / temp_name(0x0123456789ABCDEF, pid=_reaped_pid())]
+            other_host = [sub / temp_name(2, pid=_reaped_pid()).replace(host_tag(), "0badc0de")]
             for p in live + gone + other_host:
                 p.write_bytes(b"partial")
             assert FileStore(tmp_path, LAYOUT).leftovers_removed == 1

@@ -31,7 +31,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from test_runtime_storage import LAYOUT, filled_pool, rows
 
 from hicache.runtime.kv.kv_pool import KVPool
-from hicache.runtime.storage import FileStore, StorageBackend
+from hicache.runtime.storage import FileStore, StorageBackend, file_recovery
 from hicache.runtime.storage import file_store as fs
 from hicache.runtime.storage.page_index import INDEX_FILE
 from hicache.runtime.storage.sizes import parse_size
@@ -435,7 +435,7 @@ async def test_a_refused_eviction_leaves_the_page_unwritten_and_the_node_running
     def refuse(name: str, folder: int) -> None:
         raise PermissionError(13, "Permission denied", name)
 
-    monkeypatch.setattr(fs, "_unlink", refuse)
+    monkeypatch.setattr(file_recovery, "_unlink", refuse)
     assert await store.put([3, 4], pool_of([3, 4]), range(2)) == [0, 1]
     assert store.stats.errors == 2 and not list(tmp_path.rglob("*.tmp"))
     assert sum(page_files(tmp_path).values()) <= store.capacity_bytes

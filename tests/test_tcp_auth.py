@@ -23,15 +23,8 @@ from transfer_peer import initial_pages, recv_exactly, wire_hello, wire_initiate
 
 from hicache.runtime.security.cluster_secret import ClusterSecret
 from hicache.runtime.transfer import MemoryRegion, PeerInfo, TcpEngine, XferState
-from hicache.runtime.transfer.tcp import (
-    ACCEPTOR_PURPOSE,
-    HEADER,
-    INITIATOR_PURPOSE,
-    MAC_BYTES,
-    Msg,
-    encode_header,
-    handshake_proof,
-)
+from hicache.runtime.transfer.tcp_handshake import ACCEPTOR_PURPOSE, INITIATOR_PURPOSE, handshake_proof
+from hicache.runtime.transfer.tcp_wire import HEADER, MAC_BYTES, Msg, encode_header
 
 PAGES, PAGE_BYTES = 8, 4096
 GUARD_S = 10  # a guard against hangs, never a speed assertion

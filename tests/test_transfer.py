@@ -43,7 +43,7 @@ from hicache.runtime.transfer import (
     XferState,
 )
 from hicache.runtime.transfer.base import Span
-from hicache.runtime.transfer.tcp import HEADER, MAGIC, SPAN, VERSION, Msg, encode_header
+from hicache.runtime.transfer.tcp_wire import HEADER, MAGIC, SPAN, VERSION, Msg, encode_header
 
 PEER_SCRIPT = Path(__file__).with_name("transfer_peer.py")
 PAGES, PAGE_BYTES = 16, 4096

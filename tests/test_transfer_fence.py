@@ -25,7 +25,7 @@ from transfer_peer import wire_initiate
 
 from hicache.runtime.prefill.prefill_node import PrefillNode
 from hicache.runtime.transfer import NixlEngine, PeerInfo, TcpEngine, TransferEngine, XferState
-from hicache.runtime.transfer.tcp import HEADER, Msg, encode_header
+from hicache.runtime.transfer.tcp_wire import HEADER, Msg, encode_header
 
 PAGES, PAGE_BYTES = 8, 64 * 1024
 GUARD_S = 20  # a guard against hangs, never a speed assertion

@@ -68,14 +68,8 @@ async def wire_hello(
     with its text). Returns the proof parts `(nonce_i, nonce_t, name, target)` and whether the
     target's proof is right for `secret` (default: the environment's)."""
     from hicache.runtime.security.cluster_secret import ClusterSecret
-    from hicache.runtime.transfer.tcp import (
-        ACCEPTOR_PURPOSE,
-        HEADER,
-        NONCE_BYTES,
-        Msg,
-        encode_header,
-        handshake_proof,
-    )
+    from hicache.runtime.transfer.tcp_handshake import ACCEPTOR_PURPOSE, handshake_proof
+    from hicache.runtime.transfer.tcp_wire import HEADER, NONCE_BYTES, Msg, encode_header
 
     secret = secret if secret is not None else ClusterSecret.load()
     nonce_i = os.urandom(NONCE_BYTES)
@@ -96,7 +90,8 @@ async def wire_initiate(stream: trio.abc.Stream, name: bytes, secret: ClusterSec
     """The initiator's side of the handshake by hand, as engine `name`: HELLO, check HELLO_ACK,
     AUTH. Returns the AUTH proof it sent."""
     from hicache.runtime.security.cluster_secret import ClusterSecret
-    from hicache.runtime.transfer.tcp import INITIATOR_PURPOSE, MAC_BYTES, Msg, encode_header, handshake_proof
+    from hicache.runtime.transfer.tcp_handshake import INITIATOR_PURPOSE, handshake_proof
+    from hicache.runtime.transfer.tcp_wire import MAC_BYTES, Msg, encode_header
 
     secret = secret if secret is not None else ClusterSecret.load()
     parts, ok = await wire_hello(stream, name, secret)
@@ -111,16 +106,8 @@ async def wire_accept(stream: trio.abc.Stream, name: bytes, secret: ClusterSecre
     """The target's side of the handshake by hand, as engine `name`: read HELLO, answer HELLO_ACK,
     check AUTH. Returns the initiator's name."""
     from hicache.runtime.security.cluster_secret import ClusterSecret
-    from hicache.runtime.transfer.tcp import (
-        ACCEPTOR_PURPOSE,
-        HEADER,
-        INITIATOR_PURPOSE,
-        MAC_BYTES,
-        NONCE_BYTES,
-        Msg,
-        encode_header,
-        handshake_proof,
-    )
+    from hicache.runtime.transfer.tcp_handshake import ACCEPTOR_PURPOSE, INITIATOR_PURPOSE, handshake_proof
+    from hicache.runtime.transfer.tcp_wire import HEADER, MAC_BYTES, NONCE_BYTES, Msg, encode_header
 
     secret = secret if secret is not None else ClusterSecret.load()
     _, _, mtype, name_len, _, _, _, notif_len = HEADER.unpack(await recv_exactly(stream, HEADER.size))

@@ -51,7 +51,7 @@ from hicache.faults import Decision, FaultSpec, FaultSpecError, decide
 from hicache.runtime.kv.copy_engine import CopyEngine
 from hicache.runtime.kv.kv_pool import KVPool, PageIndices
 from hicache.runtime.storage.base import Progress, StorageBackend, StoreStats
-from hicache.runtime.storage.file_store import HEADER_SIZE
+from hicache.runtime.storage.page_file import HEADER_SIZE
 
 _MIX = 0x9E3779B97F4A7C15  # odd: times an odd number stays odd
 

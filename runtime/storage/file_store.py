@@ -1,33 +1,16 @@
 """L3 on a file system: one file per page, shared by every node that mounts the same directory.
 
-A page file is a fixed-size header followed by the page's raw bytes:
-
-    offset size  field
-    0      8     magic b"HICKVPG\\0"
-    8      2     format version (2)
-    10     2     header size (128)
-    12     2     shard rank (0 when unsharded)
-    14     2     shard count (0 when unsharded, else the tensor-parallel size)
-    16     8     page key
-    24     20    page shape, 5 x uint32 (layers, 2, page_size, kv_heads, head_dim)
-    44     16    dtype name, ASCII, NUL-padded
-    60     8     payload length in bytes
-    68     28    reserved (0)
-    96     32    MAC: keyed BLAKE2b-256 of bytes [0, 96) and the payload
-
-all little-endian. The MAC key comes from a cluster secret (`FileStore(secret=...)`, else the
-environment variable HICACHE_CLUSTER_SECRET, else a random secret the first store writes to
-`ROOT/.hicache-secret` with mode 0600), so a page nobody with the secret wrote — forged by
-whoever can write the directory, damaged, or in version 1's unkeyed CRC-32 format — reads as a
-miss. The MAC covers the key and layout fields too: a valid page copied under another key's
-name is a miss as well.
+A page file (`page_file.py`) is a fixed-size header, MAC'd with a key from a cluster secret
+(`FileStore(secret=...)`, else the environment variable HICACHE_CLUSTER_SECRET, else a random
+secret the first store writes to `ROOT/.hicache-secret` with mode 0600), then the page's raw
+bytes: a page nobody with the secret wrote reads as a miss.
 
 Files are written to a temporary name in the same directory and renamed over the final name
-(`os.replace` is atomic on POSIX), so a reader sees a whole page or none. A temporary's name
-carries its writer's host and pid; a store opening the directory removes the temporaries of
-writers on this host that are gone, never a live neighbour's. Nothing outside the root is read
-or written: file names come from validated keys only, sub-folders and page files are opened
-with O_NOFOLLOW (a symlink there is an error, never followed, also by the start-up clean-up).
+(`os.replace` is atomic on POSIX), so a reader sees a whole page or none. A store opening the
+directory removes the temporaries of writers on this host that are gone (`file_recovery.py`).
+Nothing outside the root is read or written: file names come from validated keys only,
+sub-folders and page files are opened with O_NOFOLLOW (`file_io.py`: a symlink there is an
+error, never followed, also by the start-up clean-up).
 
 A store given a capacity keeps the directory's page files within it, together with every other
 bounded store on the directory: an index next to the pages (`.hicache-index.sqlite`, see
@@ -49,17 +32,13 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
-import hashlib
 import hmac
 import io
 import logging
 import os
-import re
 import secrets
-import socket
 import sqlite3
 import stat
-import struct
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -71,112 +50,38 @@ from hicache.runtime.kv.kv_layout import KVLayout
 from hicache.runtime.kv.kv_pool import KVPool, PageIndices
 from hicache.runtime.security.cluster_secret import SECRET_ENV, UntrustedSecret, ensure_secret_file
 from hicache.runtime.storage.base import Progress, StoreStats, check_batch, key_values
+from hicache.runtime.storage.file_io import (
+    CREATE_FLAGS,
+    FS_WIDE,
+    READ_FLAGS,
+    describe,
+    open_dir,
+    read_full,
+    regular,
+    write_all,
+)
+from hicache.runtime.storage.file_recovery import (
+    KEY_NAME,
+    index_error,
+    open_index,
+    remove_leftovers,
+    remove_page,
+    temp_name,
+)
+from hicache.runtime.storage.page_file import (
+    HEADER_SIZE,
+    SIGNED,
+    SUFFIX,
+    header_matches,
+    mac_key,
+    pack_header,
+    page_mac,
+)
 from hicache.runtime.storage.page_index import INDEX_FILE, NoRoom, PageIndex
 
 logger = logging.getLogger("hicache.runtime.storage")
 
-MAGIC = b"HICKVPG\0"
-VERSION = 2
-MAC_SIZE = 32
-_SIGNED = struct.Struct("<8sHHHHQ5I16sQ28x")  # the header fields the MAC follows
-HEADER = struct.Struct(_SIGNED.format + f"{MAC_SIZE}s")
-HEADER_SIZE = HEADER.size
-SUFFIX = ".kvpage"
 KEY_FILE = ".hicache-secret"
-_FANOUT = re.compile(r"[0-9a-f]{2}")
-_KEY_NAME = re.compile(r"[0-9a-f]{16}")
-_PAGE = re.compile(r"[0-9a-f]{16}\.kvpage")
-_TEMP = re.compile(r"\.[0-9a-f]{16}\.([0-9a-f]{8})\.([0-9]{1,10})\.[0-9a-f]{12}\.tmp")
-_KEY_PERSON = b"hicache-l3-key"
-_PAGE_PERSON = b"hicache-l3-page"
-
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-# O_NONBLOCK: a FIFO planted as a page file must not block the worker thread in open().
-_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-_CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-# Conditions of the whole file system: the rest of a batch would fail the same way.
-_FS_WIDE = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})
-_DAMAGED_INDEX = frozenset({sqlite3.SQLITE_NOTADB, sqlite3.SQLITE_CORRUPT})
-_HINTS = {
-    errno.ELOOP: "a symlink where a page file, sub-folder or key file must be; not followed",
-    errno.ENOTDIR: "a page sub-folder that is not a directory",
-    errno.EISDIR: "a directory where a page file must be",
-}
-
-assert HEADER_SIZE == 128 and _SIGNED.size == HEADER_SIZE - MAC_SIZE, HEADER_SIZE
-
-
-def mac_key(secret: bytes) -> bytes:
-    """The BLAKE2b key of page MACs for a cluster secret of any length."""
-    return hashlib.blake2b(secret, digest_size=32, person=_KEY_PERSON).digest()
-
-
-def page_mac(key: bytes, signed: bytes, payload: bytes | memoryview | np.ndarray) -> bytes:
-    """The MAC of a page file: keyed BLAKE2b over its header fields and its payload."""
-    h = hashlib.blake2b(signed, key=key, digest_size=MAC_SIZE, person=_PAGE_PERSON)
-    h.update(payload)
-    return h.digest()
-
-
-def pack_header(
-    key: int,
-    layout: KVLayout,
-    payload: bytes | memoryview | np.ndarray,
-    mac: bytes,
-    shard: tuple[int, int] = (0, 0),
-) -> bytes:
-    """The header of a page file holding `payload` under `key`, signed with MAC key `mac`;
-    `shard` is (rank, tensor-parallel size) of a sharded store, (0, 0) otherwise."""
-    signed = _SIGNED.pack(
-        MAGIC,
-        VERSION,
-        HEADER_SIZE,
-        *shard,
-        key,
-        *layout.page_shape,
-        layout.dtype.encode("ascii"),
-        layout.page_bytes,
-    )
-    return signed + page_mac(mac, signed, payload)
-
-
-@functools.cache
-def host_tag() -> str:
-    """This host and pid namespace, as 8 hex digits: a pid means something only where it runs."""
-    try:
-        namespace = os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        namespace = 0
-    return hashlib.blake2b(f"{socket.gethostname()}/{namespace}".encode(), digest_size=4).hexdigest()
-
-
-def temp_name(key: int, pid: int | None = None) -> str:
-    """A temporary page file's name: key, writer's host and pid, and a random part."""
-    return f".{key:016x}.{host_tag()}.{os.getpid() if pid is None else pid}.{secrets.token_hex(6)}.tmp"
-
-
-def _pid_alive(pid: int) -> bool:
-    """Whether process `pid` (on this host) may still be writing; when unsure, yes."""
-    if pid <= 0:
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (OSError, OverflowError):
-        return True  # PermissionError: it exists, under another user
-    try:  # a killed writer nobody reaped yet is a zombie: it writes nothing any more
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (OSError, IndexError):
-        return True
-
-
-def _describe(exc: OSError) -> str:
-    name = errno.errorcode.get(exc.errno or 0, type(exc).__name__)
-    where = f": {exc.filename}" if exc.filename is not None else ""
-    hint = f"; {_HINTS[exc.errno]}" if exc.errno in _HINTS else ""
-    return f"{name} ({exc.strerror or exc}{where}{hint})"
 
 
 @attrs.frozen
@@ -273,9 +178,13 @@ class FileStore:
             self._log_error("open", exc, "the store misses every page and writes none")
         self._mac, self.secret_source = self._secret(secret)
         logger.info("FileStore %s: page MACs keyed by the secret from %s", self.root, self.secret_source)
-        self.leftovers_removed = self._remove_leftovers()
-        if self.capacity_bytes or capacity_bytes is None and _regular(self.pages_root / INDEX_FILE):
-            self._index = self._open_index(protected_fraction)
+        self.leftovers_removed = remove_leftovers(self.pages_root, self._log_error)
+        if self.capacity_bytes or capacity_bytes is None and regular(self.pages_root / INDEX_FILE):
+            capacity = self.capacity_bytes or None  # None: join the capacity the index records
+            self._index, evicted = open_index(
+                self.root, self.pages_root, capacity, protected_fraction, self._log_error
+            )
+            self.stats.evicted += evicted
             if self._index is not None:
                 self.capacity_bytes = self._index.capacity
 
@@ -293,7 +202,7 @@ class FileStore:
         try:
             return mac_key(ensure_secret_file(path)), str(path)
         except (OSError, UntrustedSecret) as exc:
-            reason = _describe(exc) if isinstance(exc, OSError) else str(exc)
+            reason = describe(exc) if isinstance(exc, OSError) else str(exc)
             logger.warning(
                 "FileStore %s: key file %s not used: %s; this store signs with a key of its own, so "
                 "pages already there read as misses and other stores cannot read its pages "
@@ -305,134 +214,6 @@ class FileStore:
             )
             return mac_key(secrets.token_bytes(32)), "random key of this store"
 
-    def _remove_leftovers(self) -> int:
-        """Remove temporary files of writers on this host that are gone; follow no symlink."""
-        removed = 0
-        try:
-            root = os.open(self.pages_root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        except OSError as exc:
-            self._log_error("open", exc, "no temporary files were cleaned up")
-            return 0
-        try:
-            with os.scandir(root) as entries:
-                folders = [e.name for e in entries if _FANOUT.fullmatch(e.name)]
-            for name in folders:
-                try:
-                    folder = _open_dir(name, dir_fd=root)
-                except OSError as exc:
-                    self._log_error("open", exc, "that sub-folder was not cleaned up")
-                    continue
-                try:
-                    with os.scandir(folder) as entries:
-                        temps = [e.name for e in entries if self._writer_gone(e.name)]
-                    for temp in temps:
-                        try:
-                            os.unlink(temp, dir_fd=folder)
-                            removed += 1
-                        except FileNotFoundError:
-                            pass
-                        except OSError as exc:
-                            self._log_error("open", exc, "a leftover temporary file stays")
-                finally:
-                    os.close(folder)
-        except OSError as exc:
-            self._log_error("open", exc, "temporary files were not all cleaned up")
-        finally:
-            os.close(root)
-        return removed
-
-    @staticmethod
-    def _writer_gone(name: str) -> bool:
-        m = _TEMP.fullmatch(name)
-        return m is not None and m[1] == host_tag() and not _pid_alive(int(m[2]))
-
-    def _open_index(self, protected_fraction: float) -> PageIndex | None:
-        """The directory's shared index, aligned with the page files there. Without one (the
-        index file unusable) a bounded store cannot keep its capacity: it reads but writes none."""
-        path = self.pages_root / INDEX_FILE
-        try:
-            if path.is_symlink():
-                raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), str(path))
-            capacity = self.capacity_bytes or None  # None: join the capacity the index records
-            try:
-                index = PageIndex(path, capacity, protected_fraction=protected_fraction)
-            except NoRoom:
-                return None  # an index without a capacity: nothing to join, unbounded as before
-            except sqlite3.DatabaseError as exc:
-                if getattr(exc, "sqlite_errorcode", None) not in _DAMAGED_INDEX:
-                    raise
-                # Damaged: rebuilt from the page files, which are the truth it only summarises.
-                logger.warning("FileStore %s: index %s is damaged (%s); rebuilding it", self.root, path, exc)
-                for suffix in ("", "-wal", "-shm"):
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(f"{path}{suffix}")
-                index = PageIndex(path, capacity, protected_fraction=protected_fraction)
-        except (OSError, sqlite3.Error, NoRoom) as exc:
-            self._log_error("open", _index_error(exc, path), "the store reads pages but writes none")
-            return None
-        try:
-            adopted, dropped, evicted = index.reconcile(self._scan(), self._page_file, self._remove_page)
-        except (OSError, sqlite3.Error) as exc:
-            self._log_error("open", _index_error(exc, path), "the index was not aligned with the files")
-        else:
-            self.stats.evicted += len(evicted)
-            if adopted or dropped or evicted:
-                logger.info(
-                    "FileStore %s: index adopted %d page files, dropped %d gone, evicted %d over capacity",
-                    self.pages_root,
-                    adopted,
-                    dropped,
-                    len(evicted),
-                )
-        return index
-
-    def _scan(self) -> dict[str, tuple[int, float]]:
-        """Every page file's name (its key in hex), size and mtime; what cannot be read is left out."""
-        found: dict[str, tuple[int, float]] = {}
-        try:
-            with os.scandir(self.pages_root) as entries:
-                folders = [e.name for e in entries if _FANOUT.fullmatch(e.name)]
-        except OSError as exc:
-            self._log_error("open", exc, "page files already there are not counted")
-            return found
-        for folder in folders:
-            try:
-                with os.scandir(self.pages_root / folder) as entries:
-                    for e in entries:
-                        name = e.name.removesuffix(SUFFIX)
-                        if _PAGE.fullmatch(e.name) and name.startswith(folder):
-                            st = e.stat(follow_symlinks=False)
-                            if stat.S_ISREG(st.st_mode):
-                                found[name] = (st.st_size, st.st_mtime)
-            except OSError as exc:
-                self._log_error("open", exc, "some page files already there are not counted")
-        return found
-
-    def _page_file(self, name: str) -> tuple[int, float] | None:
-        """Size and mtime of page file `name` (16 hex digits), None if it is not a regular file."""
-        if not isinstance(name, str) or not _KEY_NAME.fullmatch(name):
-            return None
-        try:
-            st = os.stat(self.pages_root / name[:2] / (name + SUFFIX), follow_symlinks=False)
-        except OSError:
-            return None
-        return (st.st_size, st.st_mtime) if stat.S_ISREG(st.st_mode) else None
-
-    def _remove_page(self, name: str) -> None:
-        """Evict page file `name`: one that is gone already counts as removed, and so does a
-        name that no page file can have (the index is input from the disk too)."""
-        if not isinstance(name, str) or not _KEY_NAME.fullmatch(name):
-            return
-        try:
-            folder = _open_dir(self.pages_root / name[:2])
-        except FileNotFoundError:
-            return
-        try:
-            with contextlib.suppress(FileNotFoundError):
-                _unlink(name + SUFFIX, folder)
-        finally:
-            os.close(folder)
-
     def _touch(self, keys: list[int]) -> tuple[OSError, ...]:
         """Count a use of pages just found (worker thread); an index error only costs recency."""
         if self._index is None or not keys:
@@ -440,7 +221,7 @@ class FileStore:
         try:
             self._index.touch(f"{k:016x}" for k in keys)
         except sqlite3.Error as exc:
-            return (_index_error(exc, self._index.path),)
+            return (index_error(exc, self._index.path),)
         return ()
 
     def used_bytes(self) -> int:
@@ -463,7 +244,7 @@ class FileStore:
         if create:
             with contextlib.suppress(FileExistsError):
                 os.mkdir(folder)
-        return _open_dir(folder)
+        return open_dir(folder)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -481,7 +262,7 @@ class FileStore:
             "FileStore %s: %s failed with %s; %s (later %s errors of this kind are only counted)",
             self.root,
             op,
-            _describe(exc),
+            describe(exc),
             consequence,
             errno.errorcode.get(exc.errno or 0, type(exc).__name__),
         )
@@ -556,7 +337,7 @@ class FileStore:
             self._log_errors(out, "write")
             failed += [start + j for j in out.failed]
             refused += out.refused
-            if out.errors and out.errors[-1].errno in _FS_WIDE:
+            if out.errors and out.errors[-1].errno in FS_WIDE:
                 failed += range(end, len(values))  # the file system refuses: do not try the rest
                 break
         self.stats.errors += len(failed) - refused
@@ -620,7 +401,7 @@ class FileStore:
             return "missing"
         try:
             try:
-                fd = os.open(name, _READ_FLAGS, dir_fd=folder)
+                fd = os.open(name, READ_FLAGS, dir_fd=folder)
             except FileNotFoundError:
                 return "missing"
             try:
@@ -645,35 +426,21 @@ class FileStore:
             return False
         f = io.FileIO(fd, "rb", closefd=False)
         header = f.read(HEADER_SIZE)
-        if len(header) != HEADER_SIZE or not self._header_matches(key, header):
+        if len(header) != HEADER_SIZE or not header_matches(header, key, self.layout, self.shard):
             return False
         if self._read_payload(fd, out) != out.nbytes:
             return False
-        expected = page_mac(self._mac, header[: _SIGNED.size], out)
-        return hmac.compare_digest(header[_SIGNED.size :], expected)
+        expected = page_mac(self._mac, header[: SIGNED.size], out)
+        return hmac.compare_digest(header[SIGNED.size :], expected)
 
     def _read_payload(self, fd: int, out: np.ndarray) -> int:
         """Read a page's payload, which starts at HEADER_SIZE, into `out`; the bytes read."""
         os.lseek(fd, HEADER_SIZE, os.SEEK_SET)
-        return _read_full(io.FileIO(fd, "rb", closefd=False), memoryview(out))
+        return read_full(io.FileIO(fd, "rb", closefd=False), memoryview(out))
 
     def _write_payload(self, fd: int, payload: np.ndarray) -> None:
         """Write a page's payload after its header (the file holds just the header so far)."""
-        _write_all(fd, memoryview(payload))
-
-    def _header_matches(self, key: int, header: bytes) -> bool:
-        magic, version, header_size, rank, count, stored_key, *rest = HEADER.unpack(header)
-        shape, dtype, length = tuple(rest[:5]), rest[5], rest[6]
-        return (
-            magic == MAGIC
-            and version == VERSION
-            and header_size == HEADER_SIZE
-            and (rank, count) == self.shard
-            and stored_key == key
-            and shape == self.layout.page_shape
-            and dtype.rstrip(b"\0") == self.layout.dtype.encode("ascii")
-            and length == self.layout.page_bytes
-        )
+        write_all(fd, memoryview(payload))
 
     def _write_pages(self, keys: list[int], pages: list[int], rows: np.ndarray, gone: set[int]) -> _Outcome:
         written = skipped = refused = 0
@@ -697,7 +464,7 @@ class FileStore:
             except OSError as exc:
                 failed.append(j)
                 errors.append(exc)
-                if exc.errno in _FS_WIDE:
+                if exc.errno in FS_WIDE:
                     failed += range(j + 1, len(keys))
                     break
         return _Outcome(
@@ -730,10 +497,10 @@ class FileStore:
             except FileNotFoundError:
                 pass
             tmp = temp_name(key)
-            fd = os.open(tmp, _CREATE_FLAGS, 0o666, dir_fd=folder)
+            fd = os.open(tmp, CREATE_FLAGS, 0o666, dir_fd=folder)
             try:
                 try:
-                    _write_all(fd, pack_header(key, self.layout, payload, self._mac, self.shard))
+                    write_all(fd, pack_header(key, self.layout, payload, self._mac, self.shard))
                     self._write_payload(fd, payload)
                     if self.fsync:
                         os.fsync(fd)
@@ -750,53 +517,22 @@ class FileStore:
                 else:
                     try:
                         victims = self._index.admit(
-                            f"{key:016x}", HEADER_SIZE + payload.nbytes, place, self._remove_page
+                            f"{key:016x}",
+                            HEADER_SIZE + payload.nbytes,
+                            place,
+                            functools.partial(remove_page, self.pages_root),
                         )
                     except sqlite3.Error as exc:
-                        raise _index_error(exc, self._index.path) from exc
+                        raise index_error(exc, self._index.path) from exc
             except BaseException:
                 with contextlib.suppress(OSError):
                     os.unlink(tmp, dir_fd=folder)
                 raise
             if self.fsync:
                 os.fsync(folder)
-            return [int(v, 16) for v in victims if isinstance(v, str) and _KEY_NAME.fullmatch(v)]
+            return [int(v, 16) for v in victims if isinstance(v, str) and KEY_NAME.fullmatch(v)]
         finally:
             os.close(folder)
-
-
-def _open_dir(path: str | Path, dir_fd: int | None = None) -> int:
-    """Open a real directory; a symlink there raises ELOOP (Linux says ENOTDIR: say why)."""
-    try:
-        return os.open(path, _DIR_FLAGS, dir_fd=dir_fd)
-    except NotADirectoryError as exc:
-        try:
-            link = stat.S_ISLNK(os.stat(path, dir_fd=dir_fd, follow_symlinks=False).st_mode)
-        except OSError:
-            link = False
-        if link:
-            raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), str(path)) from exc
-        raise
-
-
-def _regular(path: Path) -> bool:
-    """Whether `path` is a regular file (not followed if a symlink)."""
-    try:
-        return stat.S_ISREG(os.lstat(path).st_mode)
-    except OSError:
-        return False
-
-
-def _unlink(name: str, folder: int) -> None:
-    """Remove an evicted page file (a seam for tests of a refused eviction)."""
-    os.unlink(name, dir_fd=folder)
-
-
-def _index_error(exc: OSError | sqlite3.Error, path: Path) -> OSError:
-    """An error of the page index as the OSError the store logs and counts."""
-    if isinstance(exc, OSError):
-        return exc
-    return OSError(errno.EIO, f"page index: {exc}", str(path))
 
 
 def _caller_cancelled() -> bool:
@@ -806,21 +542,3 @@ def _caller_cancelled() -> bool:
     except trio.Cancelled:
         return True
     return False
-
-
-def _read_full(f: io.FileIO, view: memoryview) -> int:
-    """Fill `view` from the raw file `f`; fewer bytes only at end of file."""
-    got = 0
-    while got < len(view):
-        n = f.readinto(view[got:])
-        if not n:
-            break
-        got += n
-    return got
-
-
-def _write_all(fd: int, data: bytes | memoryview) -> None:
-    """Write all of `data` (os.write may write less than asked)."""
-    view = memoryview(data).cast("B")
-    while view:
-        view = view[os.write(fd, view) :]

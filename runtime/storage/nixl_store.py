@@ -26,7 +26,8 @@ from typing import Any
 import numpy as np
 
 from hicache.runtime.kv.kv_layout import KVLayout
-from hicache.runtime.storage.file_store import HEADER_SIZE, FileStore
+from hicache.runtime.storage.file_store import FileStore
+from hicache.runtime.storage.page_file import HEADER_SIZE
 
 NIXL_REQUIREMENT = "nixl==1.5.1"
 _names = itertools.count()

@@ -2,47 +2,10 @@
 
 Each engine listens on `(host, port)`; `local_info()` carries the address, the engine name and
 the registered regions. Pages move straight between the socket and the registered tensor's
-memory (`sendmsg`/`recvmsg_into` over memoryviews of the pages): no staging copy, and each
-syscall moves at most what the socket buffer holds, so the event loop never stalls long.
-
-Wire format. Every message starts with a fixed 32-byte little-endian header
-
-    magic "HCKV" | version u8 | type u8 | name_len u16 | xid u64 | count u32 | page_bytes u64 |
-    notif_len u32
-
-followed by `name` (name_len bytes), then, for WRITE and READ, `count` page indices (u32 each),
-then `notif` (notif_len bytes), then, for WRITE and READ_DATA, `count * page_bytes` page bytes.
-
-- A connection opens with a mutual challenge–response over the cluster secret
-  (`runtime/security/cluster_secret.py`), all of it within the handshake timeout on both sides:
-
-      initiator -> HELLO      name = name_i, notif = nonce_i (16 bytes)
-      target    -> HELLO_ACK  name = name_t, notif = nonce_t (16 bytes) | MAC(acceptor, ...)
-      initiator -> AUTH       notif = MAC(initiator, ...)
-
-  where both MACs are `secret.mac(role, nonce_i, nonce_t, name_i, name_t)` with the role in
-  the personalisation (`b"hicache-kv-acc"`, `b"hicache-kv-init"`), and both nonces fresh per
-  connection. The initiator checks the target's MAC before it sends AUTH (a wrong one ends the
-  transfer `ERR`: the peer does not hold the cluster secret); the target checks AUTH with
-  `hmac.compare_digest` before it reads any request. HELLO, HELLO_ACK and AUTH carry notif
-  fields of exactly 16, 48 and 32 bytes, and AUTH no name.
-- WRITE (name = target region, indices = target pages) carries the pages; the target writes them
-  into its region, queues the notification, then answers ACK.
-- WRITE_SPAN is a WRITE of bytes [offset, offset + page_bytes) of each page only (one layer
-  group's share: KV streamed while prefill computes it): after the indices come `offset u32 |
-  final u32`, and the notification is queued only when `final` is 1 (the transfer's last
-  span); a non-final span's notif still tags it for `fence`.
-- READ (name = source region, indices = source pages) is answered by READ_DATA with the pages in
-  the requested order; once it has them all, the initiator sends READ_DONE and the target queues
-  the notification.
-- Anything the target rejects (bad magic or version, unknown type or region, a HELLO from an
-  engine it does not know, a wrong or missing AUTH, page_bytes that differ from the region's,
-  more pages than the region has, an index out of range, a repeated destination page, a name or
-  notification over its limit) is answered by ERROR (the message in the notif field) and the
-  connection is closed. Every length is checked against its limit before anything is allocated
-  or read, so a frame can never make the target allocate more than 4 bytes per page of the
-  region it addresses (the indices) plus `MAX_NOTIF_BYTES`; pages are received straight into
-  the region.
+memory: no staging copy. The engine is in parts: the wire format and one connection's I/O
+(`tcp_wire.py`), the handshake that proves the cluster secret (`tcp_handshake.py`), the target
+side that serves peers' WRITEs and READs and fences them (`tcp_target.py`), and here the engine
+itself, its peers and the initiator side of each transfer.
 
 Peers. An engine serves only the peers it was told about with `add_peer` — a node adds the peer
 its authenticated control connection introduced, and `remove_peer`s it once that connection has
@@ -60,27 +23,14 @@ opened on demand and kept for reuse; concurrent transfers to one peer use differ
 An idle connection the peer has closed meanwhile is noticed and replaced before it is used.
 
 Failures. A connection that breaks (the peer died, reset, closed early) turns the transfer into
-`ERR` on the initiator. The target discards a partial WRITE: it queues no notification, but the
-destination pages may already hold part of the new data, so a receiver must only use pages a
-notification (or an initiator's `DONE`) vouches for. A peer that stays connected but silent keeps
-the transfer in `PROC`; `wait(timeout=...)` bounds that, and `release` cancels it.
-
-Fences. A target that gives up on a transfer calls `fence(notif)` with the notification the
-WRITE carries: a WRITE of it still landing is cut off between two reads of its pages (ERROR,
-connection closed), one that arrives later is refused before any page byte is read, and once
-`fence` returns not another byte of it reaches the region. Only then may the target hand its
-pages to anything else. Fenced notifications are remembered for the engine's lifetime (one
-entry per transfer given up on).
+`ERR` on the initiator; the target discards a partial WRITE (`tcp_target.py`). A peer that stays
+connected but silent keeps the transfer in `PROC`; `wait(timeout=...)` bounds that, and `release`
+cancels it. A target that gives up on a transfer `fence`s it (`tcp_target.py`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import enum
-import hmac
-import secrets
-import select
-import struct
 import uuid
 from collections.abc import Sequence
 from functools import partial
@@ -93,10 +43,8 @@ import trio
 from hicache.runtime.security.cluster_secret import ClusterSecret
 from hicache.runtime.transfer.base import (
     MAX_NAME_BYTES,
-    MAX_NOTIF_BYTES,
     DescList,
     MemoryRegion,
-    NotifQueue,
     Op,
     PeerInfo,
     Span,
@@ -107,210 +55,23 @@ from hicache.runtime.transfer.base import (
     host_pages,
     open_request,
 )
+from hicache.runtime.transfer.tcp_handshake import HandshakeTimeout, initiate
+from hicache.runtime.transfer.tcp_target import Target
+from hicache.runtime.transfer.tcp_wire import (
+    INDEX_DTYPE,
+    NET_ERRORS,
+    SPAN,
+    Conn,
+    Frame,
+    Msg,
+    ProtocolError,
+    Region,
+    encode_header,
+    error_text,
+)
 
 if TYPE_CHECKING:
     import torch
-
-MAGIC = b"HCKV"
-# 2: the handshake proves the cluster secret (HELLO nonce, HELLO_ACK proof, AUTH); 3: WRITE_SPAN
-VERSION = 3
-HEADER = struct.Struct("<4sBBHQIQI")
-SPAN = struct.Struct("<II")  # a WRITE_SPAN's offset into each page, and whether it is the last
-INDEX_DTYPE = np.dtype("<u4")
-# Buffers per sendmsg/recvmsg_into call (Linux IOV_MAX is 1024).
-IOV_BATCH = 256
-# How long the target tries to deliver an ERROR before it closes the connection anyway.
-ERROR_SEND_S = 1.0
-NONCE_BYTES = 16
-MAC_BYTES = 32
-# BLAKE2b personalisations: a proof made in one role is never valid in the other.
-INITIATOR_PURPOSE = b"hicache-kv-init"
-ACCEPTOR_PURPOSE = b"hicache-kv-acc"
-
-
-class Msg(enum.IntEnum):
-    HELLO = 1
-    HELLO_ACK = 2
-    WRITE = 3
-    READ = 4
-    ACK = 5
-    READ_DATA = 6
-    READ_DONE = 7
-    ERROR = 8
-    AUTH = 9
-    WRITE_SPAN = 10
-
-
-PAGE_MSGS = frozenset({Msg.WRITE, Msg.READ, Msg.READ_DATA, Msg.WRITE_SPAN})
-# The handshake messages' notif fields: exactly this many bytes (nonces and proofs).
-HANDSHAKE_NOTIF = {
-    Msg.HELLO: NONCE_BYTES,
-    Msg.HELLO_ACK: NONCE_BYTES + MAC_BYTES,
-    Msg.AUTH: MAC_BYTES,
-}
-
-
-def handshake_proof(
-    secret: ClusterSecret, purpose: bytes, nonce_i: bytes, nonce_t: bytes, name_i: bytes, name_t: bytes
-) -> bytes:
-    """The MAC one side of a connection sends: `purpose` is `ACCEPTOR_PURPOSE` in HELLO_ACK and
-    `INITIATOR_PURPOSE` in AUTH; the parts are the initiator's and the target's nonces and names."""
-    return secret.mac(purpose, nonce_i, nonce_t, name_i, name_t)
-
-
-class ProtocolError(Exception):
-    """The other side sent something this protocol does not allow."""
-
-
-class PeerClosed(Exception):
-    """The connection ended; `clean` when it ended between two messages."""
-
-    def __init__(self, clean: bool) -> None:
-        super().__init__("connection closed" + ("" if clean else " in the middle of a message"))
-        self.clean = clean
-
-
-class _HandshakeTimeout(Exception):
-    """The peer accepted the connection but did not complete HELLO in time."""
-
-
-_NET_ERRORS = (OSError, PeerClosed, trio.BrokenResourceError, trio.ClosedResourceError)
-
-
-@attrs.frozen
-class Frame:
-    type: Msg
-    xid: int
-    name: bytes
-    count: int
-    page_bytes: int
-    notif_len: int
-
-
-def encode_header(
-    mtype: int,
-    xid: int,
-    name: bytes = b"",
-    count: int = 0,
-    page_bytes: int = 0,
-    notif_len: int = 0,
-    *,
-    magic: bytes = MAGIC,
-    version: int = VERSION,
-) -> bytes:
-    """A header followed by `name`: the start of every message."""
-    return HEADER.pack(magic, version, mtype, len(name), xid, count, page_bytes, notif_len) + name
-
-
-class Conn:
-    """One TCP connection: exact-length reads and vectored I/O straight to and from page memory."""
-
-    def __init__(self, stream: trio.SocketStream) -> None:
-        self.stream = stream
-        self.sock = stream.socket
-
-    def close(self) -> None:
-        self.sock.close()
-
-    def is_stale(self) -> bool:
-        """An idle connection has nothing to read: readable means EOF, a reset, or garbage."""
-        poller = select.poll()
-        poller.register(self.sock.fileno(), select.POLLIN | select.POLLPRI)
-        return bool(poller.poll(0))
-
-    async def recv_exactly(self, n: int, *, boundary: bool = False) -> bytearray:
-        buf = bytearray(n)
-        await self.recv_into([memoryview(buf)], boundary=boundary)
-        return buf
-
-    async def recv_into(self, bufs: list[memoryview], *, boundary: bool = False) -> None:
-        """Fill every buffer; EOF before the first byte is a clean close when `boundary`."""
-        bufs = [b for b in bufs if len(b)]
-        i, got = 0, 0
-        while i < len(bufs):
-            batch = bufs[i : i + IOV_BATCH]
-            if len(batch) == 1:
-                n = await self.sock.recv_into(batch[0])
-            else:
-                n = (await self.sock.recvmsg_into(batch))[0]
-            if n == 0:
-                raise PeerClosed(clean=boundary and got == 0)
-            got += n
-            while n:
-                if n >= len(bufs[i]):
-                    n -= len(bufs[i])
-                    i += 1
-                else:
-                    bufs[i] = bufs[i][n:]
-                    n = 0
-
-    async def send(self, bufs: list[bytes | memoryview]) -> None:
-        views = [memoryview(b).cast("B") for b in bufs if len(b)]
-        i = 0
-        while i < len(views):
-            n = await self.sock.sendmsg(views[i : i + IOV_BATCH])
-            while n:
-                if n >= len(views[i]):
-                    n -= len(views[i])
-                    i += 1
-                else:
-                    views[i] = views[i][n:]
-                    n = 0
-
-    async def recv_frame(self, *, boundary: bool = False) -> Frame:
-        """Read and check a header and its name; indices, notif and pages are left to the caller."""
-        raw = await self.recv_exactly(HEADER.size, boundary=boundary)
-        magic, version, mtype, name_len, xid, count, page_bytes, notif_len = HEADER.unpack(raw)
-        if magic != MAGIC:
-            raise ProtocolError(f"bad magic {bytes(magic)!r}, expected {MAGIC!r}")
-        if version != VERSION:
-            raise ProtocolError(f"protocol version {version}, expected {VERSION}")
-        try:
-            t = Msg(mtype)
-        except ValueError:
-            raise ProtocolError(f"unknown message type {mtype}") from None
-        if name_len > MAX_NAME_BYTES:
-            raise ProtocolError(f"{t.name}: name of {name_len} bytes, at most {MAX_NAME_BYTES}")
-        if notif_len > MAX_NOTIF_BYTES:
-            raise ProtocolError(f"{t.name}: notif of {notif_len} bytes, at most {MAX_NOTIF_BYTES}")
-        if t not in PAGE_MSGS and (count or page_bytes):
-            raise ProtocolError(f"{t.name}: carries no pages, got count={count} page_bytes={page_bytes}")
-        if t in HANDSHAKE_NOTIF:
-            if notif_len != HANDSHAKE_NOTIF[t]:
-                raise ProtocolError(f"{t.name}: notif of {notif_len} bytes, expected {HANDSHAKE_NOTIF[t]}")
-            if t is Msg.AUTH and name_len:
-                raise ProtocolError(f"AUTH: carries no name, got name_len={name_len}")
-        elif t not in (Msg.WRITE, Msg.WRITE_SPAN, Msg.READ, Msg.ERROR) and notif_len:
-            raise ProtocolError(f"{t.name}: carries no notif, got notif_len={notif_len}")
-        name = bytes(await self.recv_exactly(name_len))
-        return Frame(t, xid, name, count, page_bytes, notif_len)
-
-    async def send_error(self, xid: int, message: str) -> None:
-        text = message.encode("utf-8")[:MAX_NOTIF_BYTES]
-        await self.send([encode_header(Msg.ERROR, xid, notif_len=len(text)), text])
-
-
-@attrs.define(eq=False)
-class _Region:
-    region: MemoryRegion
-    tensor: torch.Tensor | np.ndarray
-    pages: np.ndarray  # uint8 [num_pages, page_bytes] sharing the tensor's memory
-    descs: DescList
-
-    def views(self, idx: np.ndarray, span: Span | None = None) -> list[memoryview]:
-        pages = self.pages
-        if span is None:
-            return [memoryview(pages[i]) for i in idx.tolist()]
-        lo, hi = span.offset, span.offset + span.length
-        return [memoryview(pages[i, lo:hi]) for i in idx.tolist()]
-
-
-@attrs.define(eq=False)
-class _Landing:
-    """A WRITE whose pages are being received: `fence` cancels `scope` and waits for `left`."""
-
-    scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
-    left: trio.Event = attrs.field(factory=trio.Event)
 
 
 @attrs.define(eq=False)
@@ -369,15 +130,14 @@ class TcpEngine:
         self._port_wanted = port
         self._port: int | None = None
         self._streams_per_peer = streams_per_peer
-        self._regions: dict[str, _Region] = {}
+        self._regions: dict[str, Region] = {}
         self._peers: dict[str, _Peer] = {}
-        self._inbound: dict[str, set[trio.CancelScope]] = {}  # peer -> its served connections
         self._book = XferBook(self._name)
         self._scopes: dict[int, trio.CancelScope] = {}
         self._runs: dict[int, trio.Event] = {}  # xid -> set when its task has stopped sending
-        self._notifs = NotifQueue()
-        self._fenced: set[bytes] = set()
-        self._landing: dict[bytes, _Landing] = {}
+        self._target = Target(
+            self._name, self._secret, handshake_timeout_s, lambda peer: peer in self._peers, self._regions
+        )
         self._stack: contextlib.AsyncExitStack | None = None
         self._nursery: trio.Nursery | None = None
         self._closed = False
@@ -402,7 +162,11 @@ class TcpEngine:
         try:
             self._nursery = await stack.enter_async_context(trio.open_nursery())
             serve = partial(
-                trio.serve_tcp, self._serve, self._port_wanted, host=self._host, handler_nursery=self._nursery
+                trio.serve_tcp,
+                self._target.serve,
+                self._port_wanted,
+                host=self._host,
+                handler_nursery=self._nursery,
             )
             listeners = await self._nursery.start(serve)
         except BaseException as e:
@@ -425,7 +189,7 @@ class TcpEngine:
             peer.idle.clear()
         for rec in self._book.records():
             rec.finish(XferState.ERR, "engine closed")
-        self._notifs.close()
+        self._target.notifs.close()
         await stack.__aexit__(*exc_info)
 
     async def aclose(self) -> None:
@@ -447,13 +211,13 @@ class TcpEngine:
             raise ValueError(f"region {name!r} is already registered with {self._name}")
         pages = host_pages(name, tensor)
         region = MemoryRegion(name, 0, pages.shape[1], pages.shape[0])
-        self._regions[name] = _Region(region, tensor, pages, DescList.for_region(region))
+        self._regions[name] = Region(region, tensor, pages, DescList.for_region(region))
         return region
 
     def prepare(self, region: MemoryRegion) -> DescList:
         return self._local(region).descs
 
-    def _local(self, region: MemoryRegion) -> _Region:
+    def _local(self, region: MemoryRegion) -> Region:
         reg = self._regions.get(region.name)
         if reg is None or reg.region != region:
             raise ValueError(f"region {region.name!r} is not registered with {self._name}")
@@ -500,8 +264,7 @@ class TcpEngine:
             for conn in peer.idle:
                 conn.close()
             peer.idle.clear()
-        for scope in self._inbound.pop(name, ()):
-            scope.cancel()
+        self._target.cut_off(name)
 
     # -- transfers -----------------------------------------------------------------------------
 
@@ -573,23 +336,15 @@ class TcpEngine:
             await done.wait()
 
     async def fence(self, notif: bytes) -> bool:
-        """Stop every WRITE carrying `notif` from writing here; True once none can (always: the
-        target reads every byte itself, so it can refuse them)."""
-        if not notif:
-            raise ValueError("fence: expected the non-empty notification the transfer carries")
-        notif = bytes(notif)
-        self._fenced.add(notif)
-        landing = self._landing.get(notif)
-        if landing is not None:
-            landing.scope.cancel()
-            await landing.left.wait()
-        return True
+        """Stop every WRITE carrying `notif` from writing here (`tcp_target.py`); True once none
+        can (always: the target reads every byte itself, so it can refuse them)."""
+        return await self._target.fence(notif)
 
     async def next_notif(self) -> tuple[str, bytes]:
-        return await self._notifs.next()
+        return await self._target.notifs.next()
 
     def notifs(self) -> list[tuple[str, bytes]]:
-        return self._notifs.drain()
+        return self._target.notifs.drain()
 
     # -- initiator side ------------------------------------------------------------------------
 
@@ -599,7 +354,7 @@ class TcpEngine:
         scope: trio.CancelScope,
         peer: _Peer,
         op: str,
-        reg: _Region,
+        reg: Region,
         lp: np.ndarray,
         remote_region: str,
         rp: np.ndarray,
@@ -626,9 +381,9 @@ class TcpEngine:
                                 conn.close()
                 except ProtocolError as e:
                     rec.finish(XferState.ERR, f"protocol error from {peer.info.name!r}: {e}")
-                except _HandshakeTimeout as e:
+                except HandshakeTimeout as e:
                     rec.finish(XferState.ERR, str(e))
-                except _NET_ERRORS as e:
+                except NET_ERRORS as e:
                     rec.finish(XferState.ERR, f"connection to {peer.info.name!r} lost: {e!r}")
             self._scopes.pop(rec.handle.xid, None)
             rec.finish(XferState.ERR, "cancelled")
@@ -649,45 +404,23 @@ class TcpEngine:
         try:
             with trio.fail_after(self._handshake_timeout):
                 conn = Conn(await trio.open_tcp_stream(peer.host, peer.port))
-                await self._initiate(conn, peer)
+                await initiate(conn, self._secret, self._name_b, peer.info.name, f"{peer.host}:{peer.port}")
         except BaseException as e:
             if conn is not None:
                 conn.close()
             if isinstance(e, trio.TooSlowError):
-                raise _HandshakeTimeout(
+                raise HandshakeTimeout(
                     f"no HELLO_ACK from {peer.info.name!r} at {peer.host}:{peer.port} "
                     f"within {self._handshake_timeout} s"
                 ) from None
             raise
         return conn
 
-    async def _initiate(self, conn: Conn, peer: _Peer) -> None:
-        """HELLO, check the target's proof in HELLO_ACK, then prove this side's in AUTH."""
-        target = peer.info.name.encode("utf-8")
-        nonce_i = secrets.token_bytes(NONCE_BYTES)
-        hello = encode_header(Msg.HELLO, 0, self._name_b, notif_len=NONCE_BYTES)
-        await conn.send([hello, nonce_i])
-        f = await conn.recv_frame()
-        if f.type is Msg.ERROR:
-            raise ProtocolError(f"HELLO refused: {await _error_text(conn, f)}")
-        if f.type is not Msg.HELLO_ACK or f.name != target:
-            raise ProtocolError(f"expected HELLO_ACK from {peer.info.name!r}, got {f.type.name} {f.name!r}")
-        body = bytes(await conn.recv_exactly(f.notif_len))
-        nonce_t, proof = body[:NONCE_BYTES], body[NONCE_BYTES:]
-        parts = (nonce_i, nonce_t, self._name_b, target)
-        if not hmac.compare_digest(proof, handshake_proof(self._secret, ACCEPTOR_PURPOSE, *parts)):
-            raise ProtocolError(
-                f"{peer.info.name!r} at {peer.host}:{peer.port} does not hold the cluster secret "
-                "(wrong proof in HELLO_ACK)"
-            )
-        proof = handshake_proof(self._secret, INITIATOR_PURPOSE, *parts)
-        await conn.send([encode_header(Msg.AUTH, 0, notif_len=MAC_BYTES), proof])
-
     async def _write(
         self,
         conn: Conn,
         rec: XferRecord,
-        reg: _Region,
+        reg: Region,
         lp: np.ndarray,
         region: str,
         rp: np.ndarray,
@@ -706,17 +439,17 @@ class TcpEngine:
             parts = [head, indices, SPAN.pack(span.offset, int(final)), notif]
         try:
             await conn.send([*parts, *reg.views(lp, span)])
-        except _NET_ERRORS:
+        except NET_ERRORS:
             # The target may have refused the request and closed: report its reason if it sent one.
             with trio.move_on_after(0.5):
                 f = await conn.recv_frame()
                 if f.type is Msg.ERROR:
-                    raise ProtocolError(f"refused: {await _error_text(conn, f)}") from None
+                    raise ProtocolError(f"refused: {await error_text(conn, f)}") from None
             raise
         f = await conn.recv_frame()
         self._check_reply(f, xid, Msg.ACK)
         if f.type is Msg.ERROR:
-            rec.finish(XferState.ERR, f"refused by peer: {await _error_text(conn, f)}")
+            rec.finish(XferState.ERR, f"refused by peer: {await error_text(conn, f)}")
         else:
             rec.finish(XferState.DONE)
 
@@ -724,7 +457,7 @@ class TcpEngine:
         self,
         conn: Conn,
         rec: XferRecord,
-        reg: _Region,
+        reg: Region,
         lp: np.ndarray,
         region: str,
         rp: np.ndarray,
@@ -737,7 +470,7 @@ class TcpEngine:
         f = await conn.recv_frame()
         self._check_reply(f, xid, Msg.READ_DATA)
         if f.type is Msg.ERROR:
-            rec.finish(XferState.ERR, f"refused by peer: {await _error_text(conn, f)}")
+            rec.finish(XferState.ERR, f"refused by peer: {await error_text(conn, f)}")
             return
         if f.count != len(lp) or f.page_bytes != page_bytes:
             raise ProtocolError(
@@ -756,150 +489,3 @@ class TcpEngine:
             raise ProtocolError(f"{f.type.name} for transfer {f.xid}, expected {xid}")
 
     # -- target side ---------------------------------------------------------------------------
-
-    async def _serve(self, stream: trio.SocketStream) -> None:
-        conn = Conn(stream)
-        xid = 0
-        peer: str | None = None
-        scope = trio.CancelScope()  # `remove_peer` cancels it
-        try:
-            with trio.move_on_after(self._handshake_timeout) as handshake:
-                peer = await self._accept(conn)
-            if handshake.cancelled_caught:
-                return  # no complete handshake in time: drop it (the finally clause closes it)
-            assert peer is not None
-            self._inbound.setdefault(peer, set()).add(scope)
-            with scope:
-                while True:
-                    f = await conn.recv_frame(boundary=True)
-                    xid = f.xid
-                    if f.type in (Msg.WRITE, Msg.WRITE_SPAN):
-                        await self._serve_write(conn, peer, f)
-                    elif f.type is Msg.READ:
-                        await self._serve_read(conn, peer, f)
-                    else:
-                        raise ProtocolError(f"expected WRITE or READ, got {f.type.name}")
-        except ProtocolError as e:
-            with trio.move_on_after(ERROR_SEND_S), contextlib.suppress(*_NET_ERRORS):
-                await conn.send_error(xid, str(e))
-        except _NET_ERRORS:
-            pass  # the initiator went away; a partial WRITE is discarded (no notification)
-        finally:
-            served = self._inbound.get(peer) if peer is not None else None
-            if served is not None:
-                served.discard(scope)
-                if not served:
-                    del self._inbound[peer]
-            conn.close()
-
-    async def _accept(self, conn: Conn) -> str:
-        """The target's side of the handshake; returns the peer's name once it proved that it
-        holds the cluster secret. Nothing it sends after HELLO is read before that."""
-        f = await conn.recv_frame(boundary=True)
-        if f.type is not Msg.HELLO:
-            raise ProtocolError(f"expected HELLO first, got {f.type.name}")
-        try:
-            peer = f.name.decode("utf-8")
-        except UnicodeDecodeError:
-            raise ProtocolError("HELLO: the engine name is not UTF-8") from None
-        nonce_i = bytes(await conn.recv_exactly(f.notif_len))
-        if peer not in self._peers:
-            raise ProtocolError(f"HELLO from {peer!r}: not a peer {self._name!r} knows")
-        nonce_t = secrets.token_bytes(NONCE_BYTES)
-        parts = (nonce_i, nonce_t, f.name, self._name_b)
-        proof = handshake_proof(self._secret, ACCEPTOR_PURPOSE, *parts)
-        ack = encode_header(Msg.HELLO_ACK, 0, self._name_b, notif_len=NONCE_BYTES + MAC_BYTES)
-        await conn.send([ack, nonce_t, proof])
-        f = await conn.recv_frame()
-        if f.type is not Msg.AUTH:
-            raise ProtocolError(f"expected AUTH from {peer!r}, got {f.type.name}")
-        theirs = bytes(await conn.recv_exactly(f.notif_len))
-        if not hmac.compare_digest(theirs, handshake_proof(self._secret, INITIATOR_PURPOSE, *parts)):
-            raise ProtocolError(f"AUTH from {peer!r}: wrong proof (it does not hold the cluster secret)")
-        if peer not in self._peers:  # removed while it proved itself
-            raise ProtocolError(f"HELLO from {peer!r}: not a peer {self._name!r} knows (removed)")
-        return peer
-
-    async def _request(self, conn: Conn, f: Frame) -> tuple[_Region, np.ndarray, bytes, Span | None, bool]:
-        """Check a WRITE/READ request against the region before reading its indices, span and
-        notif; returns the region, the pages, the notif, the span (WRITE_SPAN) and whether the
-        notification is to be delivered."""
-        try:
-            name = f.name.decode("utf-8")
-        except UnicodeDecodeError:
-            raise ProtocolError(f"{f.type.name}: region name is not UTF-8") from None
-        reg = self._regions.get(name)
-        if reg is None:
-            raise ProtocolError(f"{f.type.name}: unknown region {name!r}")
-        region = reg.region
-        if f.type is Msg.WRITE_SPAN:
-            if not 0 < f.page_bytes <= region.page_bytes:
-                raise ProtocolError(
-                    f"WRITE_SPAN: {f.page_bytes} bytes per page, region {name!r} has pages of "
-                    f"{region.page_bytes}"
-                )
-        elif f.page_bytes != region.page_bytes:
-            raise ProtocolError(
-                f"{f.type.name}: page_bytes {f.page_bytes}, region {name!r} has {region.page_bytes}"
-            )
-        if f.count > region.num_pages:
-            raise ProtocolError(f"{f.type.name}: {f.count} pages, region {name!r} has {region.num_pages}")
-        idx = np.frombuffer(await conn.recv_exactly(f.count * INDEX_DTYPE.itemsize), dtype=INDEX_DTYPE)
-        if idx.size:
-            top = int(idx.max())
-            if top >= region.num_pages:
-                raise ProtocolError(
-                    f"{f.type.name}: page {top} out of range for region {name!r} of {region.num_pages}"
-                )
-            if f.type in (Msg.WRITE, Msg.WRITE_SPAN) and len(np.unique(idx)) != len(idx):
-                raise ProtocolError(f"{f.type.name}: destination pages repeat in region {name!r}")
-        span, final = None, True
-        if f.type is Msg.WRITE_SPAN:
-            offset, last = SPAN.unpack(await conn.recv_exactly(SPAN.size))
-            if last not in (0, 1) or offset + f.page_bytes > region.page_bytes:
-                raise ProtocolError(
-                    f"WRITE_SPAN: offset {offset} + {f.page_bytes} bytes past the region's pages of "
-                    f"{region.page_bytes}, or final {last} not 0 or 1"
-                )
-            span, final = Span(offset, f.page_bytes), bool(last)
-        notif = bytes(await conn.recv_exactly(f.notif_len))
-        return reg, idx.astype(np.int64), notif, span, final
-
-    async def _serve_write(self, conn: Conn, peer: str, f: Frame) -> None:
-        reg, idx, notif, span, final = await self._request(conn, f)
-        if not notif:
-            await conn.recv_into(reg.views(idx, span))
-        else:
-            if notif in self._fenced:
-                raise ProtocolError(f"WRITE {notif[:64]!r}: fenced (the target gave up on this transfer)")
-            if notif in self._landing:
-                raise ProtocolError(f"WRITE {notif[:64]!r}: a WRITE with this notification is landing")
-            landing = self._landing[notif] = _Landing()
-            try:
-                with landing.scope:
-                    await conn.recv_into(reg.views(idx, span))
-            finally:
-                del self._landing[notif]
-                landing.left.set()
-            if landing.scope.cancelled_caught:
-                raise ProtocolError(f"WRITE {notif[:64]!r}: fenced while landing")
-            if final:
-                self._notifs.put(peer, notif)
-        await conn.send([encode_header(Msg.ACK, f.xid)])
-
-    async def _serve_read(self, conn: Conn, peer: str, f: Frame) -> None:
-        reg, idx, notif, _, _ = await self._request(conn, f)
-        head = encode_header(Msg.READ_DATA, f.xid, count=len(idx), page_bytes=reg.region.page_bytes)
-        await conn.send([head, *reg.views(idx)])
-        done = await conn.recv_frame()
-        if done.type is not Msg.READ_DONE or done.xid != f.xid:
-            raise ProtocolError(
-                f"expected READ_DONE for transfer {f.xid}, got {done.type.name} for {done.xid}"
-            )
-        if notif:
-            self._notifs.put(peer, notif)
-
-
-async def _error_text(conn: Conn, f: Frame) -> str:
-    raw = await conn.recv_exactly(f.notif_len)
-    return raw.decode("utf-8", errors="replace")

@@ -1,0 +1,122 @@
+"""Where a forward finds the K/V of earlier positions and puts the new ones: one sequence's
+contiguous past (`ContiguousKV`), or many sequences' pages of a KV pool (`PagedKV`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from hicache.runtime.model.attention import attend
+
+
+class ContiguousKV:
+    """One sequence: its past K/V in one tensor; the new tokens' K/V collected into `kv_new`."""
+
+    def __init__(self, past_kv: torch.Tensor | None, past_len: int, kv_new: torch.Tensor) -> None:
+        self.past_kv, self.past_len, self.kv_new = past_kv, past_len, kv_new
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.kv_new[layer, 0] = k
+        self.kv_new[layer, 1] = v
+
+    def attend(self, layer: int, q: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+        k, v = self.kv_new[layer, 0], self.kv_new[layer, 1]
+        if self.past_kv is not None and self.past_len > 0:
+            k = torch.cat((self.past_kv[layer, 0], k), dim=0)
+            v = torch.cat((self.past_kv[layer, 1], v), dim=0)
+        queries_from = k.shape[0] - 1 if rows is not None else self.past_len
+        return attend(q, k, v, queries_from)
+
+
+class PagedKV:
+    """Many sequences whose K/V lives in a pool's pages; new tokens' K/V is written there first.
+
+    Request b has `counts[b]` new rows (consecutive in the flat batch) at positions
+    `starts[b] ..`; its keys are gathered from the first pages of its page table, padded to the
+    longest request, and masked causally, so padding never contributes. Slots past a request's
+    positions are read (then masked), so they must hold finite values: a `KVPool` starts zeroed,
+    and a reused page holds old, finite K/V.
+    """
+
+    def __init__(
+        self,
+        pool: torch.Tensor,
+        page_tables: Sequence[Sequence[int]],
+        starts: Sequence[int],
+        counts: Sequence[int],
+    ) -> None:
+        page_size = pool.shape[3]
+        self.pool = pool
+        self.batch = len(counts)
+        self.ends = [s + n for s, n in zip(starts, counts, strict=True)]  # keys 0 .. end-1
+        positions = torch.cat([torch.arange(s, e) for s, e in zip(starts, self.ends, strict=True)])
+        self.positions = positions
+        self.write_pages = torch.tensor(
+            [
+                page_tables[b][p // page_size]
+                for b in range(self.batch)
+                for p in range(starts[b], self.ends[b])
+            ],
+            dtype=torch.int64,
+        )
+        self.write_slots = positions % page_size
+        need = [-(-e // page_size) for e in self.ends]
+        width = max(need)
+        # Padding entries repeat a page the request owns: always a valid index, and masked out.
+        self.gather = torch.tensor(
+            [
+                list(page_tables[b][: need[b]]) + [page_tables[b][0]] * (width - need[b])
+                for b in range(self.batch)
+            ],
+            dtype=torch.int64,
+        )
+        self.key_len = width * page_size
+        # The pool as rows of one page's K (or V) for one layer: row (page * layers + layer) * 2 + kv.
+        layers = pool.shape[1]
+        self.rows_view = pool.view(pool.shape[0] * layers * 2, -1)
+        base = self.gather * (layers * 2)
+        self.page_rows = torch.stack((base, base + 1))  # (2, B, width): K rows, V rows of layer 0
+        self.single_rows = all(n == 1 for n in counts)
+        offsets = torch.tensor([0, *counts], dtype=torch.int64).cumsum(0)
+        self.offsets = offsets
+        self.max_rows = max(counts)
+        if not self.single_rows and self.batch > 1:
+            # Row r of the flat batch sits at (request, index within the request) in a padded grid.
+            self.grid_b = torch.repeat_interleave(torch.arange(self.batch), torch.tensor(list(counts)))
+            self.grid_i = torch.arange(int(offsets[-1])) - offsets[:-1][self.grid_b]
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.pool[self.write_pages, layer, 0, self.write_slots] = k
+        self.pool[self.write_pages, layer, 1, self.write_slots] = v
+
+    def last_rows(self) -> torch.Tensor:
+        """Flat indices of each request's last new row: only those need logits."""
+        return self.offsets[1:] - 1
+
+    def attend(self, layer: int, q: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+        b, heads, dim = self.batch, self.pool.shape[-2], self.pool.shape[-1]
+        # One gather of whole contiguous rows (a page's K or V for one layer) into (2, B, L, ...).
+        which = (self.page_rows + 2 * layer).view(-1)
+        kv = torch.index_select(self.rows_view, 0, which).view(2, b, self.key_len, heads, dim)
+        k, v = kv[0], kv[1]
+        if b == 1:
+            # One sequence: exactly its keys, and the same attention call as the contiguous path.
+            end = self.ends[0]
+            return attend(q, k[0, :end], v[0, :end], end - q.shape[0])
+        k, v = k.transpose(1, 2), v.transpose(1, 2)  # (B, kv_heads, L, head_dim)
+        key_pos = torch.arange(self.key_len)
+        if rows is not None or self.single_rows:
+            # One query per request: its last new position sees every key up to it.
+            q_pos = torch.tensor(self.ends) - 1
+            mask = key_pos[None, None, None, :] <= q_pos[:, None, None, None]  # (B, 1, 1, L)
+            out = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask, enable_gqa=True)
+            return out[:, :, 0].reshape(b, -1)
+        grid = q.new_zeros((b, self.max_rows, *q.shape[1:]))
+        grid[self.grid_b, self.grid_i] = q
+        q_pos = torch.tensor(self.ends)[:, None] - 1 + torch.zeros(1, self.max_rows, dtype=torch.int64)
+        q_pos[self.grid_b, self.grid_i] = self.positions  # padding rows repeat the last position
+        mask = key_pos[None, None, None, :] <= q_pos[:, None, :, None]  # (B, 1, rows, L)
+        out = F.scaled_dot_product_attention(grid.transpose(1, 2), k, v, attn_mask=mask, enable_gqa=True)
+        return out.transpose(1, 2)[self.grid_b, self.grid_i].reshape(q.shape[0], -1)

@@ -1,0 +1,188 @@
+"""The digital twin's result (`TwinResult`) and its report: the text `hicache twin` prints, the
+per-request table, and the files it writes (summary.json and the replay's records)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from hicache.results import RequestRecord
+from hicache.sim.calibrate import Calibration
+from hicache.sim.twin_compare import request_rows
+from hicache.sim.twin_recording import TIERS, Recording
+
+
+@attrs.frozen(slots=True)
+class TwinResult:
+    recording: Recording
+    calibration: Calibration
+    baseline: str
+    measured: dict[str, Any]
+    predicted: dict[str, Any]
+    errors: dict[str, float | None]
+    records: dict[str, RequestRecord]
+    tiers_equal: int
+    sequential: bool = False  # replayed one request at a time (`one_client`)
+    overrides: tuple[str, ...] = ()
+    what_if: dict[str, Any] | None = None
+    what_if_baseline: str | None = None
+    what_if_records: dict[str, RequestRecord] | None = None
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:+.1%}"
+
+
+def _s(x: float | None) -> str:
+    return "-" if x is None else f"{x:.4f}"
+
+
+def report(res: TwinResult) -> str:
+    """The table the command prints."""
+    c = res.calibration
+    n = len(res.recording.requests)
+    lines = [
+        f"recording        {res.recording.path} ({n} requests, blocks of {res.recording.block_size} tokens)",
+        f"replayed as      {res.baseline}"
+        + (", one request at a time (as the recorded client sent them)" if res.sequential else ""),
+        f"calibration      ({c.source}) prefill {c.prefill_tokens_per_s:,.0f} tok/s, attention "
+        f"{c.prefill_attention_s:.3g} s/pair, first-token overhead {c.first_token_overhead_s * 1e3:.2f} ms, "
+        f"decode step {c.decode_step_s * 1e3:.2f} ms"
+        f" + {c.decode_step_per_context_token_s * 1e6:.3f} us/ctx token",
+        f"                 P->D {_rate(c.transfer_seconds_per_token)}, "
+        f"L2 restore {_rate(c.l2_seconds_per_token)}, "
+        f"L3 restore {_rate(c.l3_seconds_per_token)}; "
+        f"residuals rms TTFT {c.ttft_residual_rms_s * 1e3:.2f} ms ({c.ttft_rows} req), "
+        f"TPOT {c.tpot_residual_rms_s * 1e3:.2f} ms ({c.tpot_rows} req)",
+        f"tiers equal      {res.tiers_equal}/{n} requests (L1, L2, L3 restored tokens as measured)",
+        "",
+    ]
+    head = f"{'metric':<16}{'measured':>12}{'predicted':>12}{'error':>10}"
+    if res.what_if is not None:
+        head += f"{'what-if':>12}{'change':>10}"
+    lines.append(head)
+    rows = [
+        ("hit rate", "hit_rate", lambda x: f"{x:.1%}", "hit_rate_pp"),
+        ("TTFT mean s", "ttft_mean_s", _s, "ttft_mean"),
+        ("TTFT p90 s", "ttft_p90_s", _s, "ttft_p90"),
+        ("TPOT mean s", "tpot_mean_s", _s, "tpot_mean"),
+    ]
+    for label, key, fmt, err in rows:
+        e = res.errors[err]
+        shown = "-" if e is None else (f"{e:+.1f}pp" if err == "hit_rate_pp" else _pct(e))
+        line = f"{label:<16}{fmt(res.measured[key]):>12}{fmt(res.predicted[key]):>12}{shown:>10}"
+        if res.what_if is not None:
+            w, p = res.what_if[key], res.predicted[key]
+            if key == "hit_rate":
+                change = f"{100 * (w - p):+.1f}pp"
+            else:
+                change = "-" if w is None or not p else _pct((w - p) / p)
+            line += f"{fmt(w):>12}{change:>10}"
+        lines.append(line)
+    per_request_error = res.errors.get("ttft_per_request")
+    if per_request_error is not None:
+        lines.append(f"{'TTFT per request':<16}{'':>12}{'':>12}{per_request_error:>9.1%}  (mean |error|)")
+    for i, tier in enumerate(TIERS):
+        line = (
+            f"{'cached ' + tier.upper():<16}{res.measured['cached_tokens'][tier]:>12}"
+            f"{res.predicted['cached_tokens'][tier]:>12}{'':>10}"
+        )
+        if res.what_if is not None:
+            line += f"{res.what_if['cached_tokens'][tier]:>12}"
+        lines.append(line)
+        del i
+    if res.what_if is not None:
+        lines.append(
+            f"(what-if: {' '.join(res.overrides)}, replayed as {res.what_if_baseline}; change is against the "
+            "predicted baseline, whose error above bounds how far to trust it)"
+        )
+    return "\n".join([*lines, "", *per_request(res)])
+
+
+PER_REQUEST_ROWS = 40  # printed in full up to this many requests; beyond, only those that differ
+
+
+def per_request(res: TwinResult) -> list[str]:
+    """Measured against predicted, request by request (all of a short recording, else the
+    requests whose tiers differ, up to `PER_REQUEST_ROWS`)."""
+    rows = list(request_rows(res.recording, res.records, None))
+    short = len(rows) <= PER_REQUEST_ROWS
+
+    def tiers(row: dict[str, Any], who: str) -> tuple[Any, ...]:
+        return tuple(row[f"{who}_{t}"] for t in TIERS)
+
+    shown = [r for r in rows if short or tiers(r, "measured") != tiers(r, "predicted")]
+    if not shown:
+        return ["every request's L1/L2/L3 tokens as measured (per request: requests.csv with --out)"]
+    what = "per request" if short else f"requests whose tiers differ (first {PER_REQUEST_ROWS})"
+    out = [
+        f"{what}: L1/L2/L3 tokens and TTFT s, measured -> predicted",
+        f"{'id':<10}{'session':>8}{'prompt':>8}  {'measured':>16}  {'predicted':>16}"
+        f"{'TTFT':>9}{'->':>3}{'TTFT':>9}",
+    ]
+    for r in shown[:PER_REQUEST_ROWS]:
+        m, p = tiers(r, "measured"), tiers(r, "predicted")
+        mark = "" if m == p else "  *"
+        out.append(
+            f"{r['id']:<10}{r['session']:>8}{r['input_length']:>8}  {'/'.join(map(str, m)):>16}  "
+            f"{'/'.join(map(str, p)):>16}{_cell(r['measured_ttft_s']):>9}{'':>3}"
+            f"{_cell(r['predicted_ttft_s']):>9}{mark}"
+        )
+    return out
+
+
+def _cell(x: float | str) -> str:
+    return "-" if x == "" else f"{x:.3f}"
+
+
+def _rate(seconds_per_token: float | None) -> str:
+    return "not fitted" if not seconds_per_token else f"{1 / seconds_per_token:,.0f} tok/s"
+
+
+def summary_doc(res: TwinResult, sc_doc: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """summary.json: the overall figures, flat, then the calibration and the what-if."""
+    out: dict[str, Any] = {
+        "recording": str(res.recording.path),
+        "baseline": res.baseline,
+        "one_request_at_a_time": res.sequential,
+    }
+    for key in ("hit_rate", "ttft_mean_s", "ttft_p90_s", "tpot_mean_s"):
+        out[f"predicted_{key}"] = res.predicted[key]
+        out[f"measured_{key}"] = res.measured[key]
+    out["predicted_cached_tokens"] = res.predicted["cached_tokens"]
+    out["measured_cached_tokens"] = res.measured["cached_tokens"]
+    out["requests"] = len(res.recording.requests)
+    out["compared_requests"] = res.predicted["requests"]
+    out["tiers_equal"] = res.tiers_equal
+    out["errors"] = res.errors
+    out["calibration"] = res.calibration.to_dict()
+    if res.what_if is not None:
+        out["what_if"] = {
+            "overrides": list(res.overrides),
+            "baseline": res.what_if_baseline,
+            **{f"predicted_{k}": v for k, v in res.what_if.items() if k != "requests"},
+        }
+    if sc_doc is not None:
+        out["scenario"] = dict(sc_doc)
+    return out
+
+
+def write_outputs(out: Path, res: TwinResult) -> list[Path]:
+    """summary.json and requests.csv under `out`."""
+    import csv
+
+    from hicache.results import write_summary_json
+    from hicache.sim.runner import check_out
+
+    check_out(out)  # an OutputError (exit 2) naming --out when it cannot be written
+    paths = [out / "summary.json", out / "requests.csv"]
+    write_summary_json(paths[0], summary_doc(res))
+    rows = list(request_rows(res.recording, res.records, res.what_if_records))
+    with paths[1].open("w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    return paths
