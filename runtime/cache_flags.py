@@ -6,6 +6,12 @@ the ones its user gave (`forwarded`), and a scenario becomes the same flags (`sc
 a setting a scenario can state cannot be dropped on its way to a real node. Each flag has our name
 and, where SGLang has one, SGLang's (`--hicache-ratio`, `--hicache-write-policy`,
 `--radix-eviction-policy`, ...), so a command line written for SGLang's decode server works here.
+
+The flags of the core's settings are not written out here: they are made (`Flag.of`) from each
+setting's description in the core (`DecodeConfig`'s field metadata, and `L2_SIZE` for the inputs
+of `l2_pages`), which says their names, help, bounds, choices and defaults. What this module
+writes out is what is the node's own: --tick-interval, the storage flags, --no-decode-cache and
+SGLang's extra config.
 """
 
 from __future__ import annotations
@@ -20,25 +26,24 @@ from typing import Any
 import attrs
 
 from hicache.arg_types import directory, float_above, int_in
-from hicache.core.config import PREFETCH_POLICIES, PROMISE_POLICIES, RETRACT_POLICIES, DecodeConfig
-from hicache.core.eviction import EVICTION_POLICIES
+from hicache.core.config import L2_SIZE, DecodeConfig, decode_settings, l2_pages
+from hicache.core.settings import CACHE, ESTIMATE, TRANSFER, Setting
 from hicache.core.write_policy import WritePolicy
-from hicache.scenarios.scenario import CacheSpec, Scenario
+from hicache.scenarios.scenario import CACHE_SETTINGS, Scenario
 
 WRITE_POLICIES = tuple(p.value for p in WritePolicy)
 STORAGE_BACKENDS = ("file", "nixl", "memory", "none")
 # SGLang's file backend keeps its pages here unless told otherwise.
 SGLANG_FILE_DIR_ENV = "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"
 SGLANG_FILE_DIR_DEFAULT = Path("/tmp/hicache")
-# The keys of SGLang's --hicache-storage-backend-extra-config that are settings of ours.
-EXTRA_CONFIG_KEYS = {
-    "prefetch_threshold": "prefetch_threshold_tokens",
-    "prefetch_timeout_base": "prefetch_timeout_base",
-    "prefetch_timeout_per_ki_token": "prefetch_timeout_per_ki_token",
-    "prefetch_timeout_max": "prefetch_timeout_max",
-}
-_CORE = DecodeConfig(l1_pages=1, l2_pages=0)  # the core's defaults
 MAX_LAYER_GROUPS = 4096  # a prefill node's --layer-groups for "one group per layer"
+# --help's groups of the flags described in the core (`Setting.group`); NODE's flags (--page-size,
+# --tp-size) are placed by the CLI beside the node's own.
+GROUP_TITLES = {
+    CACHE: "the decode cache (a scenario's [cache] section)",
+    TRANSFER: "P->D transfers",
+    ESTIMATE: "what the adaptive promise estimates a restore with",
+}
 
 
 @attrs.frozen
@@ -47,7 +52,7 @@ class Flag:
 
     `dest` is the `DecodeConfig` field it sets (or, for the few that are not core fields, the
     name `decode_config` and the node read it by); `scenario` is where a scenario states it
-    (`CacheSpec` field, or "section.key")."""
+    ("section.key")."""
 
     flag: str
     dest: str
@@ -59,11 +64,44 @@ class Flag:
     metavar: str | None = None
     scenario: str | None = None
     default_text: str | None = None  # how --help states the default, when not by its value
+    group: str | None = CACHE
+    sglang_note: str = ""  # what --help says of SGLang's names for it
 
-    def add_to(self, group: argparse._ActionsContainer) -> None:
+    @classmethod
+    def of(cls, s: Setting) -> Flag:
+        """The flag of a setting described in the core, parsed to what the core accepts."""
+        assert s.flag is not None, s.name
+        if s.kind is int:
+            kind: Callable[[str], Any] = int_in(int(s.low or 0))
+        elif s.kind is float:
+            kind = float_above(s.low or 0, inclusive=True)
+        else:
+            kind = str
+        sglang = [n for n in s.sglang if n != s.flag]
+        note = (
+            " (SGLang's name)" if s.flag in s.sglang else f" (SGLang: {', '.join(sglang)})" if sglang else ""
+        )
+        return cls(
+            s.flag,
+            s.name,
+            kind,
+            s.flag_default,
+            s.help,
+            aliases=s.flags[1:],
+            choices=s.choices,
+            metavar=s.metavar,
+            scenario=s.scenario,
+            default_text=s.default_text,
+            group=s.group,
+            sglang_note=note,
+        )
+
+    def add_to(self, group: argparse._ActionsContainer, help: str | None = None) -> None:
+        """Add the flag to a parser or group (`help`: other wording for this command's --help)."""
         default = self.default_text or (
             f"{self.default:g}" if isinstance(self.default, float) else self.default
         )
+        text = ((help or self.help) + self.sglang_note).replace("%", "%%")  # argparse formats help with %
         group.add_argument(
             self.flag,
             *self.aliases,
@@ -72,211 +110,45 @@ class Flag:
             default=self.default,
             choices=self.choices,
             metavar=self.metavar,
-            help=f"{self.help} (default: {default})" if self.help else None,
+            help=f"{text} (default: {default})",
         )
 
 
-def _core(field: str, kind: Callable[[str], Any], help: str, **kw: Any) -> Flag:
-    """A flag that sets the core field `field`, defaulting to the core's own default."""
-    flag = "--" + field.replace("_", "-")
-    return Flag(flag, field, kind, getattr(_CORE, field), help, **{"scenario": field, **kw})
+def _settings() -> dict[str, Setting]:
+    """Every setting described in the core that has a flag, in --help's order: the decode
+    config's fields, with the other inputs of `l2_pages` (--hicache-ratio, --hicache-size)
+    right after --l2-pages."""
+    out = {}
+    for name, s in decode_settings().items():
+        out[name] = s
+        if name == "l2_pages":
+            out |= L2_SIZE
+    return {name: s for name, s in out.items() if s.flag is not None}
 
 
-def _policy(field: str, names: tuple[str, ...], help: str, **kw: Any) -> Flag:
-    default = getattr(_CORE, field)
-    return Flag(
-        kw.pop("flag", "--" + field.replace("_", "-")),
-        field,
-        str,
-        str(getattr(default, "value", default)),
-        help,
-        choices=names,
-        scenario=field,
-        **kw,
-    )
-
-
-def gigabytes(text: str) -> float:
-    """SGLang's --hicache-size: GB of host memory per rank, 0 for none (then the ratio rules)."""
-    return float_above(0, inclusive=True)(text)
-
-
-CACHE_FLAGS: tuple[Flag, ...] = (
-    Flag("--l1-pages", "l1_pages", int_in(1), 1024, "GPU (L1) pool pages", metavar="N"),
-    Flag(
-        "--l2-pages",
-        "l2_pages",
-        int_in(0),
-        None,
-        "host-memory (L2) pool pages; overrides --hicache-ratio and --hicache-size",
-        metavar="N",
-        default_text="--hicache-ratio x --l1-pages",
-    ),
-    Flag(
-        "--hicache-ratio",
-        "hicache_ratio",
-        float_above(0, inclusive=True),
-        2.0,
-        "L2 pages as a multiple of L1 pages (SGLang's name)",
-        metavar="X",
-        scenario="hicache_ratio",
-    ),
-    Flag(
-        "--hicache-size",
-        "hicache_size_gb",
-        gigabytes,
-        0.0,
-        "L2 in GB of host memory, per rank; overrides --hicache-ratio when > 0 (SGLang's name)",
-        metavar="GB",
-    ),
-    _policy(
-        "eviction",
-        tuple(EVICTION_POLICIES),
-        "which tree leaves go first",
-        aliases=("--radix-eviction-policy",),
-    ),
-    _policy(
-        "write_policy",
-        WRITE_POLICIES,
-        "when L1 pages are backed up to L2 (and on to L3)",
-        aliases=("--hicache-write-policy",),
-    ),
-    _policy("promise", PROMISE_POLICIES, "which cached tiers a request is promised to restore locally"),
-    _policy(
-        "prefetch_policy",
-        PREFETCH_POLICIES,
-        "when an L3 prefetch stops",
-        aliases=("--hicache-storage-prefetch-policy",),
-    ),
-    _core(
-        "prefetch_threshold_tokens",
-        int_in(0),
-        "fewer L3 hit tokens than this are not prefetched",
-        metavar="N",
-    ),
-    _core(
-        "prefetch_timeout_base",
-        float_above(0, inclusive=True),
-        "a timeout prefetch's base seconds",
-        metavar="S",
-    ),
-    _core(
-        "prefetch_timeout_per_ki_token",
-        float_above(0, inclusive=True),
-        "seconds added per 1,024 tokens",
-        metavar="S",
-    ),
-    _core("prefetch_timeout_max", float_above(0, inclusive=True), "a timeout prefetch's cap", metavar="S"),
-    _core("load_batches_in_flight", int_in(1), "L2 -> L1 load-back batches at once", metavar="N"),
-    _core(
-        "decode_reserve_tokens",
-        int_in(0),
-        "L1 tokens held back per request for its output",
-        aliases=("--num-reserved-decode-tokens",),
-        metavar="N",
-    ),
-    _policy("retract_policy", RETRACT_POLICIES, "which running request leaves L1 when it is full"),
-    Flag(
-        "--max-running",
-        "max_running",
-        int_in(0),
-        0,
-        "requests in the decode batch at once, 0: no limit",
-        aliases=("--max-running-requests",),
-        metavar="N",
-        scenario="cluster.max_running",
-    ),
-    Flag(
-        "--tick-interval",
-        "tick_interval",
-        float_above(0),
-        0.002,
-        "seconds between the core's ticks",
-        metavar="S",
-        scenario="cluster.tick_interval",
-    ),
+SETTINGS: dict[str, Setting] = _settings()
+# The node's own flag that is not a core setting: how often its core ticks.
+TICK_INTERVAL = Flag(
+    "--tick-interval",
+    "tick_interval",
+    float_above(0),
+    0.002,
+    "seconds between the core's ticks",
+    metavar="S",
+    scenario="cluster.tick_interval",
 )
-
-TRANSFER_FLAGS: tuple[Flag, ...] = (
-    Flag(
-        "--transfer-retries",
-        "transfer_retries",
-        int_in(0),
-        6,
-        "retries of a failed prefill transfer (with the backoff, about 6-11 s: a prefill restart)",
-        metavar="N",
-        scenario="transfer_retries",
-    ),
-    Flag(
-        "--transfer-backoff",
-        "transfer_backoff_s",
-        float_above(0, inclusive=True),
-        0.2,
-        "delay before the first retry, doubling per retry, jittered to 50-100%%",
-        metavar="SECONDS",
-        scenario="transfer_backoff_s",
-    ),
-    Flag(
-        "--transfer-backoff-max",
-        "transfer_backoff_max_s",
-        float_above(0, inclusive=True),
-        5.0,
-        "longest delay between two retries",
-        metavar="SECONDS",
-        scenario="transfer_backoff_max_s",
-    ),
+# The flags `add_flags` adds and `decode_config` reads, in --help's order.
+ALL_FLAGS: tuple[Flag, ...] = (
+    *(Flag.of(s) for s in SETTINGS.values() if s.group in GROUP_TITLES),
+    TICK_INTERVAL,
 )
+# The keys of SGLang's --hicache-storage-backend-extra-config that are settings of ours.
+EXTRA_CONFIG_KEYS = {s.sglang_extra_config: s.name for s in SETTINGS.values() if s.sglang_extra_config}
 
-# What the `adaptive` promise weighs a restore with: estimates of this machine's speeds.
-ESTIMATE_FLAGS: tuple[Flag, ...] = (
-    _core("l3_bandwidth", float_above(0), "L3 read bytes/s", metavar="B/S", scenario="storage.bandwidth"),
-    _core(
-        "l3_latency",
-        float_above(0, inclusive=True),
-        "L3 seconds per operation",
-        metavar="S",
-        scenario="storage.latency",
-    ),
-    _core(
-        "host_to_device_bandwidth",
-        float_above(0),
-        "L2 -> L1 bytes/s",
-        metavar="B/S",
-        aliases=("--host-bandwidth",),
-        scenario="hardware.host_bandwidth",
-    ),
-    _core(
-        "network_bandwidth",
-        float_above(0),
-        "P->D bytes/s",
-        metavar="B/S",
-        scenario="hardware.network_bandwidth",
-    ),
-    _core(
-        "network_latency",
-        float_above(0, inclusive=True),
-        "P->D seconds per transfer",
-        metavar="S",
-        scenario="hardware.network_latency",
-    ),
-    _core(
-        "transfer_groups",
-        int_in(0),
-        "layer groups the prefill node streams KV in (its --layer-groups); 0: sent after prefill",
-        metavar="G",
-        scenario="cluster.layerwise_transfer",
-    ),
-    _core("prefill_tokens_per_s", float_above(0), "prefill's tokens/s", metavar="N", scenario=None),
-    _core(
-        "prefill_attention_seconds",
-        float_above(0, inclusive=True),
-        "prefill seconds per (new, earlier) token pair",
-        metavar="S",
-        scenario=None,
-    ),
-)
 
-ALL_FLAGS = CACHE_FLAGS + TRANSFER_FLAGS + ESTIMATE_FLAGS
+def flag(name: str) -> Flag:
+    """The flag of core setting `name` (the CLI places --page-size and --tp-size with it)."""
+    return Flag.of(SETTINGS[name])
 
 
 def extra_config(text: str) -> dict[str, Any]:
@@ -298,9 +170,7 @@ def extra_config(text: str) -> dict[str, Any]:
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
     """The decode node's cache, storage, transfer and estimate flags, in groups for --help."""
-    cache = parser.add_argument_group("the decode cache (a scenario's [cache] section)")
-    for f in CACHE_FLAGS:
-        f.add_to(cache)
+    cache = _group(parser, CACHE)
     cache.add_argument(
         "--no-decode-cache",
         "--disable-radix-cache",
@@ -343,12 +213,17 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         + ", ".join(EXTRA_CONFIG_KEYS)
         + " set the prefetch flags above (an explicit flag wins)",
     )
-    transfer = parser.add_argument_group("P->D transfers")
-    for f in TRANSFER_FLAGS:
-        f.add_to(transfer)
-    estimates = parser.add_argument_group("what the adaptive promise estimates a restore with")
-    for f in ESTIMATE_FLAGS:
-        f.add_to(estimates)
+    _group(parser, TRANSFER)
+    _group(parser, ESTIMATE)
+
+
+def _group(parser: argparse.ArgumentParser, key: str) -> argparse._ArgumentGroup:
+    """A --help group holding the flags of `ALL_FLAGS` in group `key`."""
+    group = parser.add_argument_group(GROUP_TITLES[key])
+    for f in ALL_FLAGS:
+        if f.group == key:
+            f.add_to(group)
+    return group
 
 
 def byte_size(text: str) -> int:
@@ -392,9 +267,9 @@ def storage_kind(args: argparse.Namespace) -> tuple[str, Path | None]:
 
 
 def decode_config(args: argparse.Namespace, page_bytes: int | None = None) -> DecodeConfig:
-    """The core's configuration from parsed flags. --hicache-size needs `page_bytes` (bytes of
-    one KV page, known once the model is loaded): without it L2 follows the ratio, and the node
-    sizes it again (`l2_gigabytes`)."""
+    """The core's configuration from parsed flags (and the node's --page-size and --tp-size).
+    --hicache-size needs `page_bytes` (bytes of one KV page, known once the model is loaded):
+    without it L2 follows the ratio, and the node sizes it again (`l2_gigabytes`)."""
     values = {f.dest: getattr(args, f.dest) for f in ALL_FLAGS}
     if args.extra_config:
         # Its backend-specific keys (a Mooncake master's address, ...) are not ours: ignored.
@@ -412,10 +287,14 @@ def decode_config(args: argparse.Namespace, page_bytes: int | None = None) -> De
     ratio = values.pop("hicache_ratio")
     size_gb = values.pop("hicache_size_gb")
     if l2 is None:
-        if size_gb > 0 and page_bytes is not None:
-            l2 = int(size_gb * 1e9 // page_bytes)
-        else:
-            l2 = int(ratio * l1)
+        sized = size_gb > 0 and page_bytes is not None
+        l2 = l2_pages(
+            l1,
+            args.page_size,
+            hicache_ratio=ratio,
+            l2_bytes=size_gb * 1e9 if sized else 0.0,
+            page_bytes=page_bytes or 0,
+        )
     values.pop("tick_interval")  # the node's, not the core's
     return DecodeConfig(
         l1_pages=l1,
@@ -423,6 +302,7 @@ def decode_config(args: argparse.Namespace, page_bytes: int | None = None) -> De
         page_size=args.page_size,
         storage=kind != "none",
         radix=not off,
+        tp_size=getattr(args, "tp_size", SETTINGS["tp_size"].default),
         **values,
     )
 
@@ -462,9 +342,9 @@ def _text(value: Any) -> str:
 def scenario_flags(scenario: Scenario, l1_tokens: int, token_bytes: int = 0) -> list[str]:
     """A scenario's cache, storage and transfer settings as decode-node flags (L1 given in
     tokens: the runtime's L1 is not the scenario's modelled GPU; `token_bytes`, the runtime
-    model's KV bytes per token, sizes `storage.capacity_tokens`). Every `CacheSpec` field and
-    every flag with a `scenario` source is carried; `tests/test_cache_flags.py` checks that none
-    is dropped."""
+    model's KV bytes per token, sizes `storage.capacity_tokens`). Every [cache] key and every
+    flag with a `scenario` source is carried; `tests/test_cache_flags.py` checks that none is
+    dropped."""
     c = scenario.cache
     page = c.page_size
     l1 = max(1, l1_tokens // page)
@@ -474,7 +354,7 @@ def scenario_flags(scenario: Scenario, l1_tokens: int, token_bytes: int = 0) -> 
         "--l1-pages",
         str(l1),
         "--l2-pages",
-        str(c.l2_tokens_for(l1 * page) // page),
+        str(c.l2_pages_for(l1)),
     ]
     for f in ALL_FLAGS:
         if f.scenario is None or f.dest in ("l1_pages", "l2_pages", "hicache_ratio"):
@@ -500,13 +380,12 @@ def _scenario_value(scenario: Scenario, where: str) -> Any:
         return layer_groups(scenario)
     if where == "hardware.network_bandwidth" and scenario.hardware.transfer_rate is not None:
         return scenario.hardware.transfer_rate  # one transfer's rate is what a restore competes with
-    if "." in where:
-        section, key = where.split(".")
-        return getattr(getattr(scenario, section), key)
-    return getattr(scenario.cache, where)
+    section, key = where.split(".")
+    return getattr(getattr(scenario, section), key)
 
 
 def cache_spec_fields_without_flag() -> list[str]:
-    """`CacheSpec` fields no flag carries (`tests/test_cache_flags.py` wants none)."""
-    carried = {f.scenario for f in ALL_FLAGS} | {"l1_tokens", "l2_tokens", "page_size"}
-    return [a.name for a in attrs.fields(CacheSpec) if a.name not in carried]
+    """[cache] keys no flag carries to a node (`tests/test_cache_flags.py` wants none): the tier
+    sizes in tokens and the page size become --l1-pages, --l2-pages and --page-size."""
+    carried = {f.scenario for f in ALL_FLAGS} | {"cache.l1_tokens", "cache.l2_tokens", "cache.page_size"}
+    return [key for key in CACHE_SETTINGS if f"cache.{key}" not in carried]

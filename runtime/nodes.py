@@ -29,7 +29,7 @@ from pathlib import Path
 import attrs
 import trio
 
-from hicache.core.config import DecodeConfig
+from hicache.core.config import DecodeConfig, l2_pages
 from hicache.faults import FaultSpec
 from hicache.runtime.decode.decode_node import DecodeService
 from hicache.runtime.decode.faults import FaultyStore
@@ -326,7 +326,10 @@ async def _run_decode(opts: DecodeOptions, model: LlamaModel, model_name: str, g
     layout = layout_for(model.config, opts.core.page_size)
     core = opts.core
     if opts.l2_gigabytes > 0:  # --hicache-size: GB of host memory, in this model's pages
-        core = attrs.evolve(core, l2_pages=int(opts.l2_gigabytes * 1e9 // layout.page_bytes))
+        l2 = l2_pages(
+            core.l1_pages, core.page_size, l2_bytes=opts.l2_gigabytes * 1e9, page_bytes=layout.page_bytes
+        )
+        core = attrs.evolve(core, l2_pages=l2)
     capacity, tp_size = opts.storage_capacity, opts.core.tp_size
     files = FileStore
     if opts.storage_backend == "nixl":

@@ -22,10 +22,9 @@ from typing import Any
 
 import attrs
 
-from hicache.core.config import PREFETCH_POLICIES, PROMISE_POLICIES, RETRACT_POLICIES, DecodeConfig
-from hicache.core.eviction import EVICTION_POLICIES
+from hicache.core.config import L2_SIZE, DecodeConfig, decode_settings, l2_pages
 from hicache.core.router import ROUTERS
-from hicache.core.write_policy import WritePolicy
+from hicache.core.settings import Setting
 from hicache.faults import SPEC_KEYS, FaultSpec, FaultSpecError
 from hicache.scenarios.generators import VOCAB_MAX, AgenticLoop, SharedPrefix
 from hicache.scenarios.multiturn import MultiTurnChat
@@ -178,6 +177,16 @@ def _distinct_names(choices: Sequence[str], noun: str) -> Check:
     return check
 
 
+def _check_of(setting: Setting) -> Check:
+    """A setting's check, from what its description says it accepts."""
+    if setting.choices is not None:
+        return _one_of(setting.choices, "policy")
+    if setting.kind is bool:
+        return _boolean
+    low = 0 if setting.low is None else setting.low
+    return _integer(int(low)) if setting.kind is int else _number(low)
+
+
 # --- the sections ---------------------------------------------------------------------------
 
 
@@ -292,38 +301,51 @@ class ClusterSpec:
     transfer_groups: int = 0
 
 
-@attrs.frozen(slots=True)
+# [cache]: every `DecodeConfig` setting whose scenario key is `cache.<key>`, described once, in
+# the core (`hicache.core.settings`), plus the tier sizes in tokens. The order is the table's
+# since the first release (what `summary.json` records).
+L1_TOKENS = Setting(
+    name="l1_tokens",
+    default=0,
+    kind=int,
+    low=0,
+    help="L1 tokens; 0: what HBM holds after the weights (the simulator), or the runtime's default",
+    scenario="cache.l1_tokens",
+    unit="tokens",
+    group=None,
+)
+
+
+def _cache_settings() -> dict[str, Setting]:
+    core = {
+        key: s
+        for s in (*decode_settings().values(), *L2_SIZE.values())
+        if (key := s.scenario_key("cache")) is not None
+    }
+    first = {"page_size": core.pop("page_size"), "l1_tokens": L1_TOKENS}
+    first |= {key: core.pop(key) for key in ("hicache_ratio", "l2_tokens")}
+    return first | core
+
+
+CACHE_SETTINGS: dict[str, Setting] = _cache_settings()  # [cache] key -> its setting
+# The [cache] keys that are `DecodeConfig` fields (the rest size the tiers: `CacheSpec.l2_pages_for`).
+CACHE_CORE_KEYS = tuple(k for k, s in CACHE_SETTINGS.items() if s.name in attrs.fields_dict(DecodeConfig))
+
+
+@attrs.frozen(slots=True, these={k: attrs.field(default=s.default) for k, s in CACHE_SETTINGS.items()})
 class CacheSpec:
-    """The decode node's tier sizes (tokens) and the core's policies (`DecodeConfig`)."""
+    """The decode node's tier sizes (tokens) and the core's policies (`DecodeConfig`): one field
+    per [cache] key of `CACHE_SETTINGS` (`page_size`, `l1_tokens`, `hicache_ratio`, `l2_tokens`,
+    `eviction`, ...), each defaulting as the core does. Policies hold their names."""
 
-    page_size: int = 64
-    l1_tokens: int = 0  # 0: derived from hardware and model
-    hicache_ratio: float = 2.0
-    l2_tokens: int = 0  # 0: hicache_ratio x L1
-    eviction: str = "lru"
-    write_policy: str = "write_through"
-    promise: str = "eager"
-    prefetch_policy: str = "timeout"
-    prefetch_threshold_tokens: int = 256
-    prefetch_timeout_base: float = 2.0
-    prefetch_timeout_per_ki_token: float = 0.1
-    prefetch_timeout_max: float = 30.0
-    load_batches_in_flight: int = 3
-    decode_reserve_tokens: int = 512
-    transfer_retries: int = 2
-    transfer_backoff_s: float = 0.0  # first retry's delay, doubling per retry; 0: retry at once
-    transfer_backoff_max_s: float = 5.0
-    retract_policy: str = "newest"
-
-    def l2_tokens_for(self, l1_tokens: int) -> int:
-        return self.l2_tokens if self.l2_tokens > 0 else int(self.hicache_ratio * l1_tokens)
+    def l2_pages_for(self, l1_pages: int) -> int:
+        """L2 pages beside an L1 of `l1_pages` (`hicache.core.config.l2_pages`)."""
+        return l2_pages(l1_pages, self.page_size, hicache_ratio=self.hicache_ratio, l2_tokens=self.l2_tokens)
 
     def decode_config(self, l1_pages: int, l2_pages: int, **driver: Any) -> DecodeConfig:
         """The core's configuration; the driver adds what it knows (`storage`, `tp_size`, the
         bandwidth estimates)."""
-        policy = attrs.asdict(self)
-        for key in ("l1_tokens", "hicache_ratio", "l2_tokens"):
-            del policy[key]
+        policy = {CACHE_SETTINGS[k].name: getattr(self, k) for k in CACHE_CORE_KEYS}
         return DecodeConfig(l1_pages=l1_pages, l2_pages=l2_pages, **policy, **driver)
 
 
@@ -423,29 +445,7 @@ _SECTIONS: dict[str, tuple[type, dict[str, Check]]] = {
             "transfer_groups": _integer(0),
         },
     ),
-    "cache": (
-        CacheSpec,
-        {
-            "page_size": _integer(1),
-            "l1_tokens": _integer(0),
-            "hicache_ratio": _number(0),
-            "l2_tokens": _integer(0),
-            "eviction": _one_of(tuple(EVICTION_POLICIES), "policy"),
-            "write_policy": _one_of(tuple(p.value for p in WritePolicy), "policy"),
-            "promise": _one_of(PROMISE_POLICIES, "policy"),
-            "prefetch_policy": _one_of(PREFETCH_POLICIES, "policy"),
-            "prefetch_threshold_tokens": _integer(0),
-            "prefetch_timeout_base": _number(0),
-            "prefetch_timeout_per_ki_token": _number(0),
-            "prefetch_timeout_max": _number(0),
-            "load_batches_in_flight": _integer(1),
-            "decode_reserve_tokens": _integer(0),
-            "transfer_retries": _integer(0),
-            "transfer_backoff_s": _number(0),
-            "transfer_backoff_max_s": _number(0),
-            "retract_policy": _one_of(RETRACT_POLICIES, "policy"),
-        },
-    ),
+    "cache": (CacheSpec, {key: _check_of(s) for key, s in CACHE_SETTINGS.items()}),
     "run": (RunSpec, {"baselines": _distinct_names(BASELINES, "baseline"), "until": _number(0)}),
 }
 _CUSTOM_MODEL = ("name", "layers", "q_heads", "kv_heads", "head_dim", "params")

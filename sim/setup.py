@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import attrs
 
+from hicache.core.config import l2_pages
 from hicache.scenarios.scenario import Scenario, ScenarioError
 from hicache.sim import fit
 from hicache.sim.channel import lanes_for
@@ -82,12 +83,12 @@ def tier_pages(scenario: Scenario) -> fit.Pages:
     except ValueError as exc:
         raise _fail(scenario, "hardware.mem_fraction", exc) from None
     l1_pages = (cache.l1_tokens or capacity) // page
-    l2_pages = cache.l2_tokens_for(l1_pages * page) // page
+    l2 = cache.l2_pages_for(l1_pages)
     prefill_pages = None
-    if scenario.cluster.prefill_cache:
+    if scenario.cluster.prefill_cache:  # its L2 by the ratio alone: cache.l2_tokens is the decode node's
         p1 = capacity // page
-        prefill_pages = (p1, int(p1 * cache.hicache_ratio))
-    return l1_pages, l2_pages, prefill_pages
+        prefill_pages = (p1, l2_pages(p1, page, hicache_ratio=cache.hicache_ratio))
+    return l1_pages, l2, prefill_pages
 
 
 def prefill_estimates(costs: NodeCosts) -> dict[str, float]:

@@ -16,7 +16,7 @@ from typing import Any
 
 import attrs
 
-from hicache.core.config import DecodeConfig
+from hicache.core.config import DecodeConfig, hicache_ratio_of
 from hicache.scenarios.scenario import (
     ClusterSpec,
     Scenario,
@@ -276,9 +276,9 @@ def scenario_doc(rec: Recording, facts: NodeFacts, cal: Calibration) -> dict[str
     )
     l1_tokens = facts.l1_pages * facts.page_size
     l2_tokens = facts.l2_pages * facts.page_size
-    ratio = facts.l2_pages / facts.l1_pages
+    ratio = hicache_ratio_of(facts.l1_pages, facts.l2_pages, facts.page_size)
     cache: dict[str, Any] = {"page_size": facts.page_size, "l1_tokens": l1_tokens}
-    if int(ratio * l1_tokens) == l2_tokens:  # so that --set cache.hicache_ratio=R works as --hicache-ratio
+    if ratio is not None:  # so that --set cache.hicache_ratio=R works as --hicache-ratio
         cache["hicache_ratio"] = ratio
     else:
         cache["l2_tokens"] = l2_tokens

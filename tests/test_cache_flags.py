@@ -87,9 +87,7 @@ def test_a_scenario_reaches_the_decode_node_whole(
     estimates["transfer_groups"] = groups if base.cluster.layerwise_transfer else 0
     if network is not None:
         estimates["network_bandwidth"] = network
-    want = cache.decode_config(
-        l1, cache.l2_tokens_for(l1 * cache.page_size) // cache.page_size, max_running=max_running, **estimates
-    )
+    want = cache.decode_config(l1, cache.l2_pages_for(l1), max_running=max_running, **estimates)
     assert got == want
     assert args.tick_interval == tick
     assert args.storage_dir == Path("/tmp/l3")

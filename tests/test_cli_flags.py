@@ -261,26 +261,30 @@ def test_nodes_with_different_page_sizes_refuse_each_other_at_connect() -> None:
 
 
 def test_the_limit_flags_reach_the_nodes() -> None:
-    from hicache.cli import _limits, build_parser
+    from hicache.cli import build_parser
+    from hicache.commands.runtime_commands import limits as limits_of
 
     args = build_parser().parse_args(
         [*DECODE, "--max-connections", "3", "--frame-bytes-in-flight", "4096", "--frame-timeout", "2.5"]
         + ["--idle-timeout", "9"]
     )
-    limits = _limits(args)
+    limits = limits_of(args)
     assert (limits.max_connections, limits.frame_bytes_in_flight) == (3, 4096)
     assert (limits.frame_timeout_s, limits.idle_timeout_s) == (2.5, 9.0)
 
 
 def test_the_limit_flags_reach_the_nodes_max_tokens_and_backoff_too() -> None:
-    from hicache.cli import _decode_config, _limits, build_parser
+    from hicache.cli import build_parser
+    from hicache.commands.runtime_commands import limits
+    from hicache.runtime.cache_flags import decode_config
 
     args = build_parser().parse_args(
         [*DECODE, "--max-tokens", "77", "--transfer-retries", "3", "--transfer-backoff", "0.5"]
-        + ["--transfer-backoff-max", "2"]
+        + ["--transfer-backoff-max", "2", "--tp-size", "2"]
     )
-    assert _limits(args).max_tokens == 77
-    cfg = _decode_config(args)
+    assert limits(args).max_tokens == 77
+    cfg = decode_config(args)
+    assert cfg.tp_size == 2
     assert (cfg.transfer_retries, cfg.transfer_backoff_s, cfg.transfer_backoff_max_s) == (3, 0.5, 2.0)
 
 

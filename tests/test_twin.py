@@ -205,7 +205,7 @@ def test_the_header_becomes_the_scenario(recorded: Path) -> None:
     assert sc.model.preset == ""
     assert sc.cache.page_size == header["page_size"]
     assert sc.cache.l1_tokens == header["l1_pages"] * PAGE
-    assert sc.cache.l2_tokens_for(sc.cache.l1_tokens) == header["l2_pages"] * PAGE
+    assert sc.cache.l2_pages_for(sc.cache.l1_tokens // PAGE) == header["l2_pages"]
     for key in twin.CACHE_POLICY_KEYS:  # every policy as the node ran it
         assert getattr(sc.cache, key) == header["decode_config"][key], key
     assert sc.cluster.decode_nodes == 1 and sc.cluster.prefill_nodes == 1
@@ -436,7 +436,7 @@ def test_a_what_if_replays_with_the_overrides(recorded: Path) -> None:
     facts = twin.node_facts(rec)
     cal = twin.header_costs(facts)
     doubled = twin.scenario(rec, facts, cal, ["cache.hicache_ratio=2"])
-    assert doubled.cache.l2_tokens_for(doubled.cache.l1_tokens) == 2 * facts.l2_pages * PAGE
+    assert doubled.cache.l2_pages_for(doubled.cache.l1_tokens // PAGE) == 2 * facts.l2_pages
     res = twin.twin(recorded, ["run.baselines=['l1_l2']", "cluster.decode_nodes=2"])
     assert res.what_if is not None and res.what_if_baseline == "l1_l2" and res.baseline == "l1_l2_l3"
     assert res.what_if["cached_tokens"]["l3"] == 0
