@@ -106,7 +106,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def pytest_report_collectionfinish(config: pytest.Config) -> str | None:
     if not config.getoption("quick"):
         return None
-    skipped = sorted(config.stash.get(_SKIPPED_KEY, []))
+    skipped = sorted(set(config.stash.get(_SKIPPED_KEY, [])))  # once per file, however many args
     return f"--quick: {len(skipped)} files left unimported (marked as a whole): {', '.join(skipped)}"
 
 
