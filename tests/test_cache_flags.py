@@ -12,6 +12,7 @@ from pathlib import Path
 import attrs
 import hypothesis.strategies as st
 import pytest
+from builders import examples
 from hypothesis import given, settings
 
 from hicache.cli import build_parser
@@ -56,7 +57,7 @@ cache_specs = st.builds(
 )
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(25), deadline=None)
 @given(
     cache=cache_specs,
     l3=st.floats(1e6, 1e12, allow_nan=False),
