@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +17,7 @@ import httpx2 as httpx
 import openai
 import pytest
 import trio
-from helpers import NodeProcess, running
+from helpers import NodeProcess, hicache, running
 
 from hicache.runtime.wire.client import DecodeClient
 
@@ -214,12 +212,7 @@ def test_the_exported_tokenizer_loads_in_transformers_and_encodes_alike(tmp_path
     from hicache.runtime.serve import load_tokenizer
 
     out = tmp_path / "tokenizer"
-    done = subprocess.run(
-        [sys.executable, "-m", "hicache", "serve", "--export-tokenizer", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = hicache("serve", "--export-tokenizer", str(out), timeout=120)
     assert done.returncode == 0, done.stderr
     theirs = AutoTokenizer.from_pretrained(out)
     ours, _ = load_tokenizer("default")
