@@ -27,7 +27,7 @@ tests it describes, pytest applies the very same marks when it does import the f
 never a test: the file is imported and its tests deselected one by one. Single tests in mixed
 files carry a decorator. Torch itself is imported by the runtime modules the fast runtime tests
 exercise (about 2 s), so it stays; transformers and Ray are imported only inside the tests that
-need them.
+need them, and so is openai.
 """
 
 from __future__ import annotations
