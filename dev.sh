@@ -3,7 +3,7 @@
 #   ./dev.sh demo [ARGS...]   the main job on a generated default workload
 #   ./dev.sh test [ARGS...]   the whole test suite (what CI runs)
 #   ./dev.sh quick [ARGS...]  the fast tier: every test not marked process, real_model or slow
-#                             (pytest --quick, tests/conftest.py), 80-90 s on 2 cores
+#                             (pytest --quick, tests/conftest.py), about a minute on 2 cores
 #   ./dev.sh serve [ARGS...]  the default model behind SGLang's and OpenAI's HTTP APIs
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"

@@ -1,4 +1,5 @@
-"""Start a prefill and a decode node as separate local processes, and stop them cleanly."""
+"""Start a prefill and a decode node (or `hicache serve`) as separate local processes, and stop
+them cleanly."""
 
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ class NodeFailed(RuntimeError):
 
 @attrs.define(eq=False)
 class NodeProcess:
-    """A node started with `python -m hicache node ...`; `info` is its readiness line."""
+    """A node started with `python -m hicache node ...` (or another command that prints one JSON
+    readiness line, such as `hicache serve`); `info` is its readiness line."""
 
     proc: subprocess.Popen
     info: dict[str, Any]
@@ -39,6 +41,19 @@ class NodeProcess:
     @property
     def port(self) -> int:
         return int(self.info["port"])
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        """The exit status once it exited (negative: the signal that ended it), else None."""
+        return self.proc.poll()
+
+    def stderr(self) -> str:
+        """What it wrote to stderr so far (all of it once it exited)."""
+        return self.stderr_path.read_text(errors="replace")
 
     def stop(self, timeout: float = 20.0) -> int:
         """SIGTERM, then wait (SIGKILL past `timeout`); returns the exit status."""
@@ -57,11 +72,20 @@ class NodeProcess:
             self.proc.wait()
 
 
-async def start_node(args: Sequence[str], log_dir: Path, name: str, timeout: float = 120.0) -> NodeProcess:
-    """Run `hicache node ARGS...` and wait for its readiness line on stdout."""
+async def start_node(
+    args: Sequence[str],
+    log_dir: Path,
+    name: str,
+    timeout: float = 120.0,
+    *,
+    command: Sequence[str] = ("node",),
+) -> NodeProcess:
+    """Run `hicache node ARGS...` and wait for its readiness line on stdout; its stderr goes to
+    `log_dir/NAME.stderr`. `command` names another subcommand that prints such a line
+    (`("serve",)`: `hicache serve ARGS...`)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     stderr_path = log_dir / f"{name}.stderr"
-    cmd = [sys.executable, "-m", "hicache", "node", *args]
+    cmd = [sys.executable, "-m", "hicache", *command, *args]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with stderr_path.open("wb") as err:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, env=env)

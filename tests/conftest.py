@@ -27,7 +27,7 @@ tests it describes, pytest applies the very same marks when it does import the f
 never a test: the file is imported and its tests deselected one by one. Single tests in mixed
 files carry a decorator. Torch itself is imported by the runtime modules the fast runtime tests
 exercise (about 2 s), so it stays; transformers and Ray are imported only inside the tests that
-need them.
+need them, and so is openai.
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def pytest_report_collectionfinish(config: pytest.Config) -> str | None:
     if not config.getoption("quick"):
         return None
-    skipped = sorted(config.stash.get(_SKIPPED_KEY, []))
+    skipped = sorted(set(config.stash.get(_SKIPPED_KEY, [])))  # once per file, however many args
     return f"--quick: {len(skipped)} files left unimported (marked as a whole): {', '.join(skipped)}"
 
 

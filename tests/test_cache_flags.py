@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import attrs
 import hypothesis.strategies as st
 import pytest
+from builders import examples
+from helpers import hicache
 from hypothesis import given, settings
 
 from hicache.cli import build_parser
@@ -56,7 +56,7 @@ cache_specs = st.builds(
 )
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(25), deadline=None)
 @given(
     cache=cache_specs,
     l3=st.floats(1e6, 1e12, allow_nan=False),
@@ -191,9 +191,7 @@ def test_sglangs_extra_config_sets_the_prefetch_settings_unless_a_flag_does(tmp_
     ],
 )
 def test_a_bad_setting_is_one_line_naming_the_flag(flags: list[str], expected: str) -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "hicache", *DECODE, *flags], capture_output=True, text=True, timeout=120
-    )
+    done = hicache(*DECODE, *flags, timeout=120)
     assert done.returncode == 2
     assert expected in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
@@ -216,36 +214,21 @@ def test_serve_passes_its_cache_flags_on_to_the_decode_node() -> None:
 
 @pytest.mark.process
 def test_serve_refuses_a_tp_size_for_a_node_it_does_not_start() -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "hicache", "serve", "--decode", "127.0.0.1:1", "--tp-size", "2"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = hicache("serve", "--decode", "127.0.0.1:1", "--tp-size", "2", timeout=120)
     assert done.returncode == 2
     assert "--tp-size: sets the decode node started here" in done.stderr
 
 
 @pytest.mark.process
 def test_serve_refuses_cache_flags_for_a_node_it_does_not_start() -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "hicache", "serve", "--decode", "127.0.0.1:1", "--l1-pages", "5"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = hicache("serve", "--decode", "127.0.0.1:1", "--l1-pages", "5", timeout=120)
     assert done.returncode == 2
     assert "--l1-pages: sets the decode node started here" in done.stderr
 
 
 @pytest.mark.process
 def test_help_states_choices_and_defaults() -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "hicache", "node", "decode", "--help"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = hicache("node", "decode", "--help", timeout=120)
     out = " ".join(done.stdout.split())
     assert "--hicache-write-policy {write_through,write_through_selective,write_back}" in out
     assert "--radix-eviction-policy {lru,mru,lfu,fifo,priority}" in out

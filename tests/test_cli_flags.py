@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from helpers import NodeProcess, free_port, hicache, running
 
 TRACE = [  # two requests at once, the third ten minutes later: Ctrl-C comes in between
     {"timestamp": 0, "input_length": 40, "output_length": 4, "hash_ids": [1]},
@@ -42,23 +43,10 @@ baselines = ["l1_l2_l3"]
 """
 
 
-def hicache(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "hicache", *args], capture_output=True, text=True, timeout=timeout
-    )
-
-
 def one_line(stderr: str) -> str:
     lines = stderr.strip().splitlines()
     assert len(lines) == 1, stderr
     return lines[0]
-
-
-def free_port() -> int:
-    """A port nothing listens on (the system just handed it out and took it back)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
@@ -127,24 +115,13 @@ def test_a_bad_flag_value_is_one_line_naming_it_and_exit_2(
     assert not (tmp_path / "out").exists()  # refused before anything ran
 
 
-class Node(subprocess.Popen):
-    """A node process whose stderr is kept once it stopped."""
-
-    stderr_text = ""
-
-
 @contextlib.contextmanager
-def prefill_node(*args: str) -> Iterator[tuple[Node, int]]:
-    """A prefill node process and its port, stopped with SIGTERM when the block ends."""
-    node = Node(
-        [sys.executable, "-m", "hicache", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    try:
-        assert node.stdout is not None
-        yield node, json.loads(node.stdout.readline())["port"]
-    finally:
-        node.send_signal(signal.SIGTERM)
-        _, node.stderr_text = node.communicate(timeout=60)
+def prefill_node(*args: str) -> Iterator[tuple[NodeProcess, int]]:
+    """A prefill node process (`args`: `node prefill ...`) and its port, stopped with SIGTERM
+    when the block ends; its stderr stays readable (`stderr()`)."""
+    assert args[0] == "node"
+    with running(*args[1:], stop_s=60) as node:
+        yield node, node.port
 
 
 @contextlib.contextmanager
@@ -190,7 +167,7 @@ def test_a_decode_node_whose_prefill_is_unreachable_says_so_in_one_line() -> Non
 def test_a_decode_node_on_another_engine_than_its_prefill_is_refused_in_one_line(tmp_path: Path) -> None:
     with prefill_node(*PREFILL) as (prefill, port):
         done = hicache("node", "decode", "--engine", "nixl", "--prefill", f"127.0.0.1:{port}")
-    prefill_err = prefill.stderr_text
+    prefill_err = prefill.stderr()
     assert done.returncode == 2, done.stderr
     line = one_line(done.stderr)
     assert f"--prefill 127.0.0.1:{port}" in line and "refused" in line
@@ -252,7 +229,7 @@ def test_nodes_with_different_page_sizes_refuse_each_other_at_connect() -> None:
         done = hicache(
             "node", "decode", "--engine", "tcp", "--page-size", "32", "--prefill", f"127.0.0.1:{port}"
         )
-    prefill_err = prefill.stderr_text
+    prefill_err = prefill.stderr()
     assert done.returncode == 2, done.stderr
     assert done.stdout == ""  # never said it was ready
     assert "page_size differs: 16 here, 32 at the decode node" in one_line(done.stderr)
@@ -338,5 +315,5 @@ def test_nodes_with_different_secrets_refuse_each_other_at_connect(tmp_path: Pat
     assert done.returncode == 2, done.stderr
     line = one_line(done.stderr)
     assert f"--prefill 127.0.0.1:{port}" in line and "cluster secret" in line
-    assert "does not hold this node's cluster secret" in one_line(prefill.stderr_text)
+    assert "does not hold this node's cluster secret" in one_line(prefill.stderr())
     assert prefill.returncode == 0

@@ -30,9 +30,10 @@ import numpy as np
 import pytest
 import trio
 from crash_writer import BATCH, LAYOUT, key_of, page_of
+from helpers import NodeProcess, start_node, start_prefill
+from helpers import decode_args as node_decode_args
 
 from hicache.runtime.kv.kv_pool import KVPool
-from hicache.runtime.launch import NodeProcess, start_node
 from hicache.runtime.model.llama import TinyConfig, TinyModel
 from hicache.runtime.storage.file_store import KEY_FILE, SUFFIX, FileStore
 from hicache.runtime.verify import KVLedger
@@ -137,9 +138,10 @@ CONVERSATIONS = 3
 
 
 def decode_args(prefill: NodeProcess, storage: Path) -> list[str]:
-    args = ["decode", "--engine", "tcp", "--prefill", f"127.0.0.1:{prefill.port}", "--page-size", str(PAGE)]
-    args += ["--l1-pages", "256", "--l2-pages", "512", "--storage-dir", str(storage)]
-    return args + ["--prefetch-threshold-tokens", str(PAGE), "--decode-reserve-tokens", "16"]
+    args = ["--l1-pages", "256", "--l2-pages", "512", "--storage-dir", str(storage)]
+    return node_decode_args(
+        prefill, PAGE, *args, "--prefetch-threshold-tokens", str(PAGE), "--decode-reserve-tokens", "16"
+    )
 
 
 class Conversation:
@@ -168,7 +170,7 @@ async def test_a_decode_node_killed_while_storing_restarts_and_serves_exact_kv(t
     ledger = KVLedger(model, PAGE)
     rng = random.Random(7)
     kill_after = rng.randint(6, 9)  # replies before the kill
-    prefill = await start_node(["prefill", "--engine", "tcp", "--page-size", str(PAGE)], logs, "prefill")
+    prefill = await start_prefill(logs, PAGE)
     decode: NodeProcess | None = None
     try:
         decode = await start_node(decode_args(prefill, storage), logs, "decode")

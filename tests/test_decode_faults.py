@@ -17,6 +17,18 @@ from typing import Any
 import pytest
 from builders import decode_config
 from builders import prompt as tokens
+from helpers import (
+    admit_with_l3,
+    assert_clean,
+    cmds,
+    complete_loads,
+    complete_transfers,
+    finish_and_back_up,
+    only,
+    put_in_l3,
+    run_to_decode,
+    transfers_of,
+)
 from kvworld import World
 
 from hicache.core import commands as cmd
@@ -34,95 +46,7 @@ def config(**kw: Any) -> DecodeConfig:
     return decode_config(**{"l1_pages": 40, "l2_pages": 40, **kw})
 
 
-def cmds(w: World, kind: type, since: int = 0) -> list[Any]:
-    return [c for c in w.log[since:] if isinstance(c, kind)]
-
-
-def only(w: World, kind: type, since: int = 0) -> Any:
-    found = cmds(w, kind, since)
-    assert len(found) == 1, found
-    return found[0]
-
-
-def transfers_of(w: World, rid: str, since: int = 0) -> list[cmd.RequestKV]:
-    return [c for c in cmds(w, cmd.RequestKV, since) if c.req == rid]
-
-
-def put_in_l3(w: World, toks: list[int]) -> list[int]:
-    """Make shared storage hold every full page of `toks` (as another decode node would have)."""
-    keys = w.keys_of(toks)
-    for k in keys:
-        w.l3[k] = k
-    return keys
-
-
-def complete_transfers(w: World, rid: str) -> None:
-    for tid in sorted(t for t, c in w.transfers.items() if c.req == rid):
-        w.kv_arrive(tid)
-
-
-def complete_loads(w: World) -> None:
-    for op in sorted(w.loads):
-        w.load_done(op)
-
-
-def run_to_decode(w: World, rid: str, limit: int = 20) -> None:
-    """Complete whatever is outstanding (queries, prefetches, loads, transfers) until `rid`
-    reaches the decode batch; the world checks its KV when it does."""
-    r = w.core.requests[rid]
-    for _ in range(limit):
-        if r.state is State.RUNNING:
-            return
-        for op in sorted(w.queries):
-            w.answer_query(op)
-        for op in sorted(w.prefetches):
-            w.prefetch_done(op)
-        complete_loads(w)
-        for tid in sorted(w.transfers):
-            w.kv_arrive(tid)
-        w.tick()
-    assert r.state is State.RUNNING, f"{rid} never reached the decode batch: {r.state}"
-
-
-def finish_and_back_up(w: World, rid: str) -> None:
-    """Finish a running request and complete the backups (and L3 stores) its pages cause."""
-    w.finish(rid)
-    for _ in range(4):
-        for op in sorted(w.backups):
-            w.backup_done(op)
-        for op in sorted(w.stores):
-            w.store_done(op)
-    w.tick()
-
-
-def assert_clean(w: World) -> None:
-    """Nothing is held for a request that ended: no receipts, no references, no slot owned by
-    a request or an operation, and every invariant of the node holds."""
-    core = w.core
-    core.check()
-    assert core.tree.live_locks == []
-    assert core.tree.live_pins == []
-    for node in core.tree.nodes():
-        assert node.lock_ref == 0 and node.host_ref == 0, node
-    for pool in (core.device_pool, core.host_pool):
-        for s in range(pool.capacity):
-            assert pool.owner_of(s) in (None, TREE), (pool.name, s, pool.owner_of(s))
-    assert core.reserved == 0
-
-
 # ============================================================================ fault 1: shortfalls
-
-
-def admit_with_l3(w: World, rid: str, toks: list[int], cap: int | None = None) -> cmd.Prefetch:
-    """Arrive, admit, answer the L3 query (optionally capped) and return the prefetch started."""
-    start = len(w.log)
-    w.arrive(rid, toks)
-    w.tick()
-    q = only(w, cmd.QueryStorage, start)
-    mark = len(w.log)
-    w.answer_query(q.op, None if cap is None else {rid: cap})
-    w.tick()
-    return only(w, cmd.Prefetch, mark)
 
 
 def test_partial_prefetch_falls_back_for_exactly_the_missing_range() -> None:

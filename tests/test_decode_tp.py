@@ -19,8 +19,8 @@ import attrs
 import hypothesis.strategies as st
 from builders import decode_config, examples
 from builders import prompt as tokens
+from helpers import cmds as of
 from hypothesis import HealthCheck, Phase, given, settings
-from kvworld import World
 from lockstep import Lockstep
 
 from hicache.core import commands as cmd
@@ -39,10 +39,6 @@ def put_in_l3(r: Lockstep, toks: list[int]) -> None:
     for w in r.worlds:
         for k in w.keys_of(toks):
             w.l3[k] = k
-
-
-def of(w: World, kind: type, since: int = 0) -> list[Any]:
-    return [c for c in w.log[since:] if isinstance(c, kind)]
 
 
 # ============================================================================ deterministic

@@ -35,6 +35,7 @@ import numpy as np
 import pytest
 import trio
 import trio.testing
+from builders import examples as profile_examples
 from hypothesis import HealthCheck, Phase, event, example, given, settings
 from node_pair import exchange, stand_in_hello
 from transfer_peer import recv_exactly, wire_accept
@@ -68,7 +69,7 @@ def fuzz(examples: int) -> settings:
     """Hypothesis settings for these properties (no "explain" phase: it reruns failing
     examples hundreds of times, each of which may start engines or nodes)."""
     return settings(
-        max_examples=examples,
+        max_examples=profile_examples(examples),  # scaled by the hypothesis profile
         deadline=None,
         suppress_health_check=NO_FIXTURE_CHECK,
         phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink],

@@ -15,7 +15,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx2
-import openai
 import pytest
 import trio
 from hypothesis import given, settings
@@ -65,6 +64,8 @@ async def poll(condition: Any) -> None:
 
 
 def _openai_session(url: str) -> dict[str, Any]:
+    import openai  # here, not at the top: importing it takes about a second of collection
+
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=GUARD_S)
     out: dict[str, Any] = {
         "models": [m.id for m in client.models.list()],
@@ -157,6 +158,8 @@ async def test_a_refused_request_is_a_503_streaming_or_not() -> None:
 
 
 def _openai_stream_breaks(url: str) -> str:
+    import openai  # here, not at the top: importing it takes about a second of collection
+
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=GUARD_S)
     stream = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=10, stream=True

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers import hicache
 
 from hicache.runtime.malloc_tuning import MAX_MMAP_THRESHOLD, pin_mmap_threshold
 
@@ -28,10 +29,5 @@ def test_a_threshold_out_of_range_is_refused_naming_the_range(bad: int) -> None:
 
 @pytest.mark.process
 def test_the_node_command_refuses_a_bad_threshold_with_exit_2() -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "hicache", "node", "prefill", "--engine", "tcp", "--mmap-threshold", "-5"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    out = hicache("node", "prefill", "--engine", "tcp", "--mmap-threshold", "-5", timeout=120)
     assert out.returncode == 2 and "mmap threshold: expected 0.." in out.stderr

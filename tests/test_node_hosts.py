@@ -5,44 +5,16 @@ nothing of either node listens on 127.0.0.1, and a request still goes through.""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import psutil
 import pytest
 import trio
+from helpers import running
 
 from hicache.runtime.nodes import make_engine
 from hicache.runtime.wire.client import DecodeClient
 from hicache.runtime.wire.prefill_address import advertised
 
 COMMON = ["--engine", "tcp", "--page-size", "4"]
-
-
-@contextmanager
-def node(*args: str) -> Iterator[tuple[subprocess.Popen, dict]]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "hicache", "node", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        if not line:
-            proc.wait(10)
-            raise AssertionError(proc.stderr.read() if proc.stderr else "no ready line")
-        yield proc, json.loads(line)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def listening(pid: int) -> set[str]:
@@ -54,12 +26,12 @@ def test_prefill_and_decode_on_two_addresses_serve_a_request() -> None:
     decode_args = ["--host", "127.0.0.3", "--l1-pages", "256", "--num-reserved-decode-tokens", "8"]
     prefill_args = [*COMMON, "--host", "127.0.0.2"]
     with (
-        node("prefill", *prefill_args) as (prefill, p),
-        node("decode", *COMMON, *decode_args, "--prefill", f"127.0.0.2:{p['port']}") as (decode, d),
+        running("prefill", *prefill_args) as prefill,
+        running("decode", *COMMON, *decode_args, "--prefill", f"127.0.0.2:{prefill.port}") as decode,
     ):
 
         async def ask() -> dict:
-            client = await DecodeClient.connect("127.0.0.3", d["port"])
+            client = await DecodeClient.connect("127.0.0.3", decode.port)
             try:
                 reply, _ = await client.generate("r1", list(range(1, 11)), 3)
                 return reply

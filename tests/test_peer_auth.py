@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import trio
 import trio.testing
+from builders import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from node_pair import GUARD_S, PAGE, authenticated, node_pair, prompt, small_core, turn
@@ -112,7 +113,7 @@ async def test_the_handshake_passes_with_one_secret_and_fails_with_two() -> None
     assert initiator is not None  # it learns nothing and gets no proof
 
 
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=examples(50), deadline=None)
 @given(nonce=st.binary(min_size=16, max_size=16), proof=st.binary(min_size=32, max_size=32))
 def test_no_guessed_proof_authenticates(nonce: bytes, proof: bytes) -> None:
     async def main() -> None:

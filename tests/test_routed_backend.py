@@ -11,6 +11,7 @@ import hypothesis.strategies as st
 import pytest
 import trio
 import trio.testing
+from builders import examples
 from hypothesis import given, settings
 
 from hicache.core.router import Router
@@ -122,7 +123,7 @@ def test_session_affinity_keeps_a_conversation_on_one_node() -> None:
             assert sum(rid.startswith(s + "-") for rid in node.served) == 4
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=examples(80), deadline=None)
 @given(
     plan=st.lists(
         st.tuples(st.sampled_from(["finish", "fail", "leave", "cancel"]), st.integers(0, 2)),

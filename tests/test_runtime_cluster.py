@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import trio
+from helpers import NodeProcess, start_decode, start_prefill
 
 from hicache.core.router import Router
-from hicache.runtime.launch import NodeProcess, start_node
 from hicache.runtime.model.llama import TinyConfig, TinyModel
 from hicache.runtime.serving.backend import GenerateRequest, ModelInfo, SamplingSpec
 from hicache.runtime.serving.node_backend import NodeBackend
@@ -28,16 +28,15 @@ GUARD_S = 90  # a guard against hangs, never a speed assertion
 
 
 async def _prefill(logs: Path, storage: Path, name: str) -> NodeProcess:
-    args = ["prefill", "--engine", "tcp", "--page-size", str(PAGE), "--storage-dir", str(storage)]
+    args = ["--storage-dir", str(storage)]
     args += ["--l3-read-bytes-per-s", "1e15", "--fixed-speeds"]  # reading L3 always pays here
-    return await start_node(args, logs, name)
+    return await start_prefill(logs, PAGE, *args, name=name)
 
 
 async def _decode(prefill: NodeProcess, logs: Path, storage: Path, tp: int, name: str) -> NodeProcess:
-    args = ["decode", "--engine", "tcp", "--prefill", f"127.0.0.1:{prefill.port}", "--page-size", str(PAGE)]
-    args += ["--l1-pages", "256", "--l2-pages", "512", "--tp-size", str(tp), "--storage-dir", str(storage)]
+    args = ["--l1-pages", "256", "--l2-pages", "512", "--tp-size", str(tp), "--storage-dir", str(storage)]
     args += ["--prefetch-threshold-tokens", str(PAGE), "--decode-reserve-tokens", "64"]
-    return await start_node(args, logs, name)
+    return await start_decode(prefill, logs, PAGE, *args, name=name)
 
 
 async def test_two_by_two_with_a_tp2_decode_node_behind_the_router(tmp_path: Path) -> None:

@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import trio
+from helpers import NodeProcess, start_decode, start_prefill
 
-from hicache.runtime.launch import NodeProcess, start_node
 from hicache.runtime.model.llama import TinyConfig, TinyModel
 from hicache.runtime.runner import run_scenario
 from hicache.runtime.verify import KVLedger
@@ -37,10 +37,9 @@ ENGINES = [
 
 
 async def _decode(engine: str, prefill: NodeProcess, storage: Path, logs: Path) -> NodeProcess:
-    args = ["decode", "--engine", engine, "--prefill", f"127.0.0.1:{prefill.port}", "--page-size", str(PAGE)]
-    args += ["--l1-pages", "256", "--l2-pages", "512", "--storage-dir", str(storage)]
+    args = ["--l1-pages", "256", "--l2-pages", "512", "--storage-dir", str(storage)]
     args += ["--prefetch-threshold-tokens", str(PAGE), "--decode-reserve-tokens", "64"]
-    return await start_node(args, logs, "decode")
+    return await start_decode(prefill, logs, PAGE, *args, engine=engine)
 
 
 @pytest.mark.parametrize("engine", ENGINES)
@@ -51,7 +50,7 @@ async def test_turns_hit_l1_then_l2_then_l3_with_bit_exact_kv(engine: str, tmp_p
     rng = np.random.default_rng(7)
     prompt = rng.integers(0, 512, 200).tolist()
     max_new = 24
-    prefill = await start_node(["prefill", "--engine", engine, "--page-size", str(PAGE)], logs, "prefill")
+    prefill = await start_prefill(logs, PAGE, engine=engine)
     decode = await _decode(engine, prefill, storage, logs)
     try:
         client = await DecodeClient.connect("127.0.0.1", decode.port)

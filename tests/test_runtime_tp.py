@@ -19,11 +19,11 @@ import numpy as np
 import pytest
 import trio
 from builders import examples
+from helpers import NodeProcess, start_decode, start_prefill
 from hypothesis import given, settings
 
 from hicache.core import events as ev
 from hicache.core.pages import namespace_seed, page_keys
-from hicache.runtime.launch import NodeProcess, start_node
 from hicache.runtime.model.llama import TinyConfig, TinyModel
 from hicache.runtime.model.tp_model import check_split, head_range
 from hicache.runtime.storage.file_store import SUFFIX
@@ -39,16 +39,15 @@ GUARD_S = 60  # a guard against hangs, never a speed assertion
 
 
 async def _prefill(logs: Path) -> NodeProcess:
-    return await start_node(["prefill", "--engine", "tcp", "--page-size", str(PAGE)], logs, "prefill")
+    return await start_prefill(logs, PAGE)
 
 
 async def _decode(
     prefill: NodeProcess, logs: Path, tp: int, *extra: str, name: str = "decode"
 ) -> NodeProcess:
-    args = ["decode", "--engine", "tcp", "--prefill", f"127.0.0.1:{prefill.port}", "--page-size", str(PAGE)]
-    args += ["--l1-pages", "256", "--l2-pages", "512", "--tp-size", str(tp)]
+    args = ["--l1-pages", "256", "--l2-pages", "512", "--tp-size", str(tp)]
     args += ["--prefetch-threshold-tokens", str(PAGE), "--decode-reserve-tokens", "64", *extra]
-    return await start_node(args, logs, name)
+    return await start_decode(prefill, logs, PAGE, *args, name=name)
 
 
 async def _conversation(prefill: NodeProcess, tmp: Path, tp: int) -> list[tuple[list[int], dict]]:

@@ -6,9 +6,8 @@ prefill and a decode node started as an operator would (the decode node with an 
 
 from __future__ import annotations
 
+import contextlib
 import json
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,12 +17,14 @@ import httpx2 as httpx
 import openai
 import pytest
 import trio
+from helpers import NodeProcess, hicache, running
 
 from hicache.runtime.wire.client import DecodeClient
 
 pytestmark = [pytest.mark.process, pytest.mark.real_model]
 
 PAGE = 16
+READY_S = 600  # loading the default model on a loaded machine: a guard, never a speed assertion
 ADMIN = "sk-test-admin-0123456789"
 SYSTEM = (
     "You are a geography tutor. Answer in one short sentence, name the country, and never use "
@@ -32,7 +33,7 @@ SYSTEM = (
 
 
 class Stack:
-    def __init__(self, url: str, decode: tuple[str, int], procs: list[subprocess.Popen]) -> None:
+    def __init__(self, url: str, decode: tuple[str, int], procs: list[NodeProcess]) -> None:
         self.url, self.decode, self.procs = url, decode, procs
         self.client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
 
@@ -58,47 +59,21 @@ class Stack:
         return trio.run(ask)
 
 
-def _ready(proc: subprocess.Popen, what: str) -> dict[str, Any]:
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if not line:
-        proc.wait(10)
-        raise AssertionError(f"{what} did not start: {proc.stderr.read() if proc.stderr else ''}")
-    return json.loads(line)
-
-
-def _start(*args: str, log: Path) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "hicache", *args], stdout=subprocess.PIPE, stderr=log.open("w"), text=True
-    )
-
-
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("serve")
     keys = tmp / "keys.toml"
     keys.write_text(f'[[key]]\nkey = "{ADMIN}"\nadmin = true\n')
-    procs: list[subprocess.Popen] = []
-    try:
+    with contextlib.ExitStack() as procs:  # stopped last to first
         common = ["--engine", "tcp", "--model", "default", "--page-size", str(PAGE)]
-        procs.append(_start("node", "prefill", *common, log=tmp / "prefill.log"))
-        prefill = _ready(procs[-1], "the prefill node")
-        decode_args = ["--prefill", f"127.0.0.1:{prefill['port']}", "--api-keys", str(keys)]
+        prefill = procs.enter_context(running("prefill", *common, logs=tmp, timeout=READY_S))
+        decode_args = ["--prefill", f"127.0.0.1:{prefill.port}", "--api-keys", str(keys)]
         decode_args += ["--l1-pages", "128", "--l2-pages", "128", "--storage-dir", str(tmp / "l3")]
         decode_args += ["--prefetch-threshold-tokens", str(PAGE), "--decode-reserve-tokens", str(2 * PAGE)]
-        procs.append(_start("node", "decode", *common, *decode_args, log=tmp / "decode.log"))
-        decode = _ready(procs[-1], "the decode node")
-        serve = ["serve", "--decode", f"127.0.0.1:{decode['port']}", "--decode-api-key", ADMIN]
-        procs.append(_start(*serve, log=tmp / "serve.log"))
-        front = _ready(procs[-1], "hicache serve")
-        yield Stack(front["url"], ("127.0.0.1", decode["port"]), procs)
-    finally:
-        for proc in reversed(procs):
-            proc.terminate()
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        decode = procs.enter_context(running("decode", *common, *decode_args, logs=tmp, timeout=READY_S))
+        serve = ["--decode", f"127.0.0.1:{decode.port}", "--decode-api-key", ADMIN]
+        front = procs.enter_context(running(*serve, command=("serve",), logs=tmp, timeout=READY_S))
+        yield Stack(front.info["url"], ("127.0.0.1", decode.port), [prefill, decode, front])
 
 
 def chat(stack: Stack, messages: list[dict[str, str]], **kw: Any) -> Any:
@@ -237,12 +212,7 @@ def test_the_exported_tokenizer_loads_in_transformers_and_encodes_alike(tmp_path
     from hicache.runtime.serve import load_tokenizer
 
     out = tmp_path / "tokenizer"
-    done = subprocess.run(
-        [sys.executable, "-m", "hicache", "serve", "--export-tokenizer", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = hicache("serve", "--export-tokenizer", str(out), timeout=120)
     assert done.returncode == 0, done.stderr
     theirs = AutoTokenizer.from_pretrained(out)
     ours, _ = load_tokenizer("default")

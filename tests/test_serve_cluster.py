@@ -5,15 +5,13 @@ operator gave reach every decode node."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx2 as httpx
 import pytest
+from helpers import running
 
 pytestmark = [pytest.mark.process, pytest.mark.real_model]
 
@@ -24,29 +22,12 @@ SYSTEM = "You are a terse assistant. Answer in at most ten words."
 @pytest.fixture(scope="module")
 def front(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("serve-cluster")
-    args = ["serve", "--prefill-nodes", "2", "--decode-nodes", "2", "--router", "cache_aware"]
+    args = ["--prefill-nodes", "2", "--decode-nodes", "2", "--router", "cache_aware"]
     args += ["--page-size", str(PAGE), "--l1-pages", "96", "--hicache-ratio", "1.5"]
     args += ["--prefetch-threshold-tokens", str(PAGE), "--num-reserved-decode-tokens", str(2 * PAGE)]
     args += ["--log-dir", str(tmp / "logs")]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "hicache", *args],
-        stdout=subprocess.PIPE,
-        stderr=(tmp / "serve.log").open("w"),
-        text=True,
-    )
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        if not line:
-            proc.wait(10)
-            raise AssertionError((tmp / "serve.log").read_text())
-        yield json.loads(line)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    with running(*args, command=("serve",), logs=tmp, timeout=600) as proc:
+        yield proc.info
 
 
 def generate(url: str, text: str) -> dict[str, Any]:

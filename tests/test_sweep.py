@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 from builders import examples
+from helpers import free_port as _closed_port
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -74,6 +75,18 @@ def full(tmp_path_factory: pytest.TempPathFactory, scenario_file: Path) -> tuple
     plan = plan_sweep(scenario_file, GRIDS, repeat=2)
     out = tmp_path_factory.mktemp("sweeps") / "full"
     outcome = run_sweep(plan, out, executor=local_executor(2))
+    return plan, out, list(outcome.ran)
+
+
+@pytest.fixture(scope="module")
+def finished(
+    tmp_path_factory: pytest.TempPathFactory, scenario_file: Path
+) -> tuple[SweepPlan, Path, list[str]]:
+    """The same sweep as `full`, run in this process: a finished sweep folder for the tests of
+    what `--resume` and `--out` refuse, without starting a process pool."""
+    plan = plan_sweep(scenario_file, GRIDS, repeat=2)
+    out = tmp_path_factory.mktemp("sweeps") / "finished"
+    outcome = run_sweep(plan, out, executor=local_executor(1))
     return plan, out, list(outcome.ran)
 
 
@@ -236,7 +249,7 @@ def test_an_interrupted_sweep_resumes_where_it_stopped(
     ],
 )
 def test_resume_refuses_another_grid(
-    full: tuple[SweepPlan, Path, list[str]],
+    finished: tuple[SweepPlan, Path, list[str]],
     scenario_file: Path,
     tmp_path: Path,
     args: list[str],
@@ -244,7 +257,7 @@ def test_resume_refuses_another_grid(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     out = tmp_path / "sweep"
-    shutil.copytree(full[1], out)
+    shutil.copytree(finished[1], out)
     before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
     assert main(["sim", "sweep", str(scenario_file), *args, "--out", str(out), "--resume", "--quiet"]) == 2
     err = capsys.readouterr().err
@@ -256,12 +269,6 @@ def test_resume_refuses_another_grid(
     # The same grid given in another order is the same sweep.
     same = ["--grid", GRIDS[1], "--grid", GRIDS[0], "--repeat", "2"]
     assert main(["sim", "sweep", str(scenario_file), *same, "--out", str(out), "--resume", "--quiet"]) == 0
-
-
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_an_unreachable_ray_address_fails_within_the_timeout() -> None:
@@ -295,9 +302,9 @@ def test_ray_executor_checks_its_address_first(capsys: pytest.CaptureFixture[str
 
 
 def test_an_existing_folder_needs_resume(
-    full: tuple[SweepPlan, Path, list[str]], scenario_file: Path, capsys: pytest.CaptureFixture[str]
+    finished: tuple[SweepPlan, Path, list[str]], scenario_file: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    out = full[1]
+    out = finished[1]
     before = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
     assert main(["sim", "sweep", str(scenario_file), *GRID_ARGS, "--out", str(out)]) == 2
     err = capsys.readouterr().err
@@ -358,6 +365,7 @@ def test_run_ids_name_the_configuration_not_the_order(scenario_file: Path) -> No
     assert plan_sweep(scenario_file, [], sets=["seed=7"]).runs[0].seed == 7
 
 
+@pytest.mark.process  # compares with `full`, run by a pool of two processes
 def test_one_worker_runs_in_this_process_with_the_same_results(
     full: tuple[SweepPlan, Path, list[str]], scenario_file: Path, tmp_path: Path
 ) -> None:

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import trio
 from builders import examples
+from helpers import start_decode, start_prefill
 from hypothesis import given, settings
 from kvworld import World
 from node_pair import GUARD_S, node_pair
@@ -25,7 +26,6 @@ from hicache.core import events as ev
 from hicache.core.config import DecodeConfig
 from hicache.core.pages import namespace_seed, page_keys
 from hicache.results import RequestRecord
-from hicache.runtime.launch import start_node
 from hicache.runtime.model.llama import TinyConfig, TinyModel
 from hicache.runtime.verify import KVLedger
 from hicache.runtime.wire.client import DecodeClient
@@ -186,13 +186,12 @@ async def test_runtime_tenants_get_no_hit_from_each_other_on_any_tier(tmp_path: 
     prompt = np.random.default_rng(11).integers(0, 512, 200).tolist()
     max_new = 8
     full = len(prompt) // RT_PAGE * RT_PAGE
-    prefill = await start_node(["prefill", "--engine", "tcp", "--page-size", str(RT_PAGE)], logs, "prefill")
+    prefill = await start_prefill(logs, RT_PAGE)
     try:
-        args = ["decode", "--engine", "tcp", "--prefill", f"127.0.0.1:{prefill.port}"]
-        args += ["--page-size", str(RT_PAGE), "--l1-pages", "256", "--l2-pages", "512"]
+        args = ["--l1-pages", "256", "--l2-pages", "512"]
         args += ["--storage-dir", str(tmp_path / "l3"), "--prefetch-threshold-tokens", str(RT_PAGE)]
         args += ["--decode-reserve-tokens", "16"]
-        decode = await start_node(args, logs, "decode")
+        decode = await start_decode(prefill, logs, RT_PAGE, *args)
     except BaseException:
         prefill.kill()
         raise

@@ -15,7 +15,6 @@ import json
 import math
 import os
 import subprocess
-import sys
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -25,6 +24,8 @@ import attrs
 import httpx2
 import pytest
 import trio
+from builders import examples
+from helpers import running
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from serving_fakes import EOS, ByteCodec, FakeBackend
@@ -125,7 +126,9 @@ def request(
 HEADER = {"model": MODEL, "page_size": 16}
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=examples(25), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(
     st.lists(
         st.tuples(blocks, tails, st.integers(1, 6), st.sampled_from([None, "acme", "globex"])),
@@ -406,25 +409,14 @@ def test_hicache_serve_records_what_it_serves(tmp_path: Path, capsys: pytest.Cap
     import openai
 
     trace = tmp_path / "served.jsonl"
-    log = (tmp_path / "serve.log").open("w")
-    args = ["serve", "--page-size", "16", "--record-trace", str(trace), "--log-dir", str(tmp_path / "logs")]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "hicache", *args], stdout=subprocess.PIPE, stderr=log, text=True
-    )
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        assert line, (tmp_path / "serve.log").read_text()
-        url = json.loads(line)["url"]
+    args = ["--page-size", "16", "--record-trace", str(trace), "--log-dir", str(tmp_path / "logs")]
+    with running(*args, command=("serve",), logs=tmp_path, timeout=600, stop_s=60) as proc:
+        url = proc.info["url"]
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
         system = "Answer briefly. " + " ".join(f"rule {i}: be kind." for i in range(120))
         for question in ("What is 2 + 2?", "Name a colour.", "What is 2 + 2?"):
             messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
             client.chat.completions.create(model=MODEL_SERVED, messages=messages, max_tokens=2, temperature=0)
-    finally:
-        proc.terminate()
-        proc.wait(60)
-        log.close()
     got = read_mooncake(trace)
     assert len(got) == 3 and all(r.input_length > B and r.output_length >= 1 for r in got)
     first, second, third = (r.block_ids or () for r in got)
