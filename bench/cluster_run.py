@@ -18,7 +18,7 @@ import trio
 from hicache.core.router import ROUTERS, Router
 from hicache.runtime.launch import NodeProcess, start_node
 from hicache.runtime.model.llama import TinyConfig, TinyModel
-from hicache.runtime.serving.backend import GenerateRequest, ModelInfo, SamplingSpec
+from hicache.runtime.serving.backend import GenerateRequest, ModelInfo, Sampling
 from hicache.runtime.serving.node_backend import NodeBackend
 from hicache.runtime.serving.routed_backend import RoutedBackend
 from hicache.runtime.verify import KVLedger
@@ -61,7 +61,7 @@ async def main(router: str, tmp: Path) -> None:
                 await clients[0].evict()  # decode node 0's L1 goes to L2: its next turns restore from there
                 await clients[0].idle()
             for sid, prompt in sessions.items():
-                req = GenerateRequest(f"{sid}-{turn}", prompt, 6, SamplingSpec(), None, sid)
+                req = GenerateRequest(f"{sid}-{turn}", prompt, 6, Sampling(), None, sid)
                 node = await backend.choose(req)
                 reply, kv = await clients[node].generate(req.rid, prompt, 6, verify=True)
                 problems = ledger.check(prompt, 6, reply, kv)
@@ -76,7 +76,7 @@ async def main(router: str, tmp: Path) -> None:
                 await c.idle()
         print("\nturn 3 sent to the other decode node (and so to a prefill node that never saw it):")
         for sid, prompt in sessions.items():
-            node = 1 - await backend.choose(GenerateRequest(sid, prompt, 6, SamplingSpec(), None, sid))
+            node = 1 - await backend.choose(GenerateRequest(sid, prompt, 6, Sampling(), None, sid))
             reply, kv = await clients[node].generate(f"{sid}-3", prompt, 6, verify=True)
             problems = ledger.check(prompt, 6, reply, kv)
             a, pc = reply["account"], reply.get("prefill_cached") or {}

@@ -15,7 +15,7 @@ from builders import examples
 from hypothesis import given, settings
 
 from hicache.core.router import Router
-from hicache.runtime.serving.backend import Finished, GenerateEvent, GenerateRequest, SamplingSpec, Tokens
+from hicache.runtime.serving.backend import Finished, GenerateEvent, GenerateRequest, Sampling, Tokens
 from hicache.runtime.serving.routed_backend import PEEK_TIMEOUT_S, RoutedBackend
 from hicache.runtime.wire import protocol
 
@@ -63,7 +63,7 @@ class FakeNode:
 
 
 def request(rid: str, session: str = "", tenant: str | None = None) -> GenerateRequest:
-    return GenerateRequest(rid, [1, 2, 3, 4], 2, SamplingSpec(), tenant, session)
+    return GenerateRequest(rid, [1, 2, 3, 4], 2, Sampling(), tenant, session)
 
 
 def routed(nodes: list[FakeNode], policy: str) -> RoutedBackend:

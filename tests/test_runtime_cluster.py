@@ -15,7 +15,7 @@ from helpers import NodeProcess, start_decode, start_prefill
 
 from hicache.core.router import Router
 from hicache.runtime.model.llama import TinyConfig, TinyModel
-from hicache.runtime.serving.backend import GenerateRequest, ModelInfo, SamplingSpec
+from hicache.runtime.serving.backend import GenerateRequest, ModelInfo, Sampling
 from hicache.runtime.serving.node_backend import NodeBackend
 from hicache.runtime.serving.routed_backend import RoutedBackend
 from hicache.runtime.verify import KVLedger
@@ -62,7 +62,7 @@ async def test_two_by_two_with_a_tp2_decode_node_behind_the_router(tmp_path: Pat
         accounts: dict[tuple[str, int], dict] = {}
         for turn in range(3):
             for sid, prompt in sessions.items():
-                req = GenerateRequest(f"{sid}-{turn}", prompt, 6, SamplingSpec(), None, sid)
+                req = GenerateRequest(f"{sid}-{turn}", prompt, 6, Sampling(), None, sid)
                 node = await backend.choose(req)
                 where.setdefault(sid, node)
                 assert where[sid] == node  # a conversation stays where its history is

@@ -33,7 +33,7 @@ from serving_fakes import EOS, ByteCodec, FakeBackend
 from hicache.cli import main as cli_main
 from hicache.runtime.security.api_keys import ApiKeys
 from hicache.runtime.serving import create_app, serve_http, trace_recorder
-from hicache.runtime.serving.backend import GenerateRequest, SamplingSpec
+from hicache.runtime.serving.backend import GenerateRequest, Sampling
 from hicache.runtime.serving.generation import Generation, Job
 from hicache.runtime.serving.metrics import Metrics
 from hicache.runtime.serving.trace_recorder import BlockIds, Recording, TraceRecorder, config_header
@@ -120,7 +120,7 @@ def run_one(backend: FakeBackend, rec: Recording, req: GenerateRequest) -> Gener
 def request(
     rid: str, tokens: list[int], max_new: int, tenant: str | None, session: str = ""
 ) -> GenerateRequest:
-    return GenerateRequest(rid, tokens, max_new, SamplingSpec(), tenant, session)
+    return GenerateRequest(rid, tokens, max_new, Sampling(), tenant, session)
 
 
 HEADER = {"model": MODEL, "page_size": 16}

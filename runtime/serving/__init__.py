@@ -15,7 +15,7 @@ from hicache.runtime.serving.backend import (
     GenerateEvent,
     GenerateRequest,
     ModelInfo,
-    SamplingSpec,
+    Sampling,
     TextCodec,
     Tokens,
 )
@@ -27,7 +27,7 @@ __all__ = [
     "GenerateEvent",
     "GenerateRequest",
     "ModelInfo",
-    "SamplingSpec",
+    "Sampling",
     "TextCodec",
     "Tokens",
     "create_app",

@@ -19,12 +19,6 @@ TIERS = ("l1", "l2", "l3")  # decode GPU pool, host memory, storage: the tiers c
 FinishReason = Literal["stop", "length", "abort", "error"]
 
 
-# How to pick tokens: the one sampling type, which the decode node checks with the same limits
-# (`runtime/wire/sampling_fields.py`). The backend applies all of it, stop token ids and EOS
-# included; stop strings are the front door's. The old name stays for callers that use it.
-SamplingSpec = Sampling
-
-
 @attrs.frozen
 class GenerateRequest:
     """One generation: `rid` is unique per node (the front door makes it); `tenant` salts the

@@ -13,7 +13,7 @@ from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
 from hicache.runtime.serving import params
-from hicache.runtime.serving.backend import TIERS, GenerateRequest, SamplingSpec, Tokens
+from hicache.runtime.serving.backend import TIERS, GenerateRequest, Sampling, Tokens
 from hicache.runtime.serving.context import Context, Stream, context, generation_route, gone
 from hicache.runtime.serving.errors import JSON, bad_request, show, unavailable
 from hicache.runtime.serving.generation import Generation, Job, aclose_shielded
@@ -169,7 +169,7 @@ async def health_generate(request: Request) -> Response:
     ctx = context(request)
     prompt = ctx.codec.encode("Hi") or [0]
     req = GenerateRequest(
-        "health-" + ctx.new_rid(), prompt[: ctx.info.max_context_tokens - 1], 1, SamplingSpec()
+        "health-" + ctx.new_rid(), prompt[: ctx.info.max_context_tokens - 1], 1, Sampling()
     )
     events = ctx.backend.generate(req)
     reason = "timed out"
