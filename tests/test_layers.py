@@ -119,6 +119,8 @@ SPLIT_MODULES: dict[str, tuple[str, ...]] = {
     "runtime/transfer/tcp.py": ("tcp_wire", "tcp_handshake", "tcp_target"),
     "runtime/storage/file_store.py": ("page_file", "file_io", "file_recovery"),
     "sim/twin.py": ("twin_recording", "twin_scenario", "twin_replay", "twin_compare", "twin_report"),
+    "sim/sweep.py": ("sweep_plan", "sweep_executors", "sweep_table"),
+    "scenarios/scenario.py": ("scenario_checks", "scenario_specs", "scenario_schema"),
 }  # fmt: skip
 # Glob (relative to the repository root) -> the rule for the files it finds; TOP_FILES are exempt.
 RULES: dict[str, Rule] = {
