@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from hicache.commands.parser import build_parser as _build
 from hicache.commands.table import HICACHE
 from hicache.core.errors import PolicyError
+from hicache.extras import missing_extra
 from hicache.scenarios.scenario import ScenarioError
 from hicache.scenarios.traces import TraceError
 
@@ -31,6 +32,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.handler(args)
     except (ScenarioError, TraceError, PolicyError, ValueError) as exc:
         print(f"hicache {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as exc:  # an optional extra this command needs is not installed
+        if (line := missing_extra(exc)) is None:
+            raise
+        print(f"hicache {args.command}: {line}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C before a command's own handling of it (or without one)
         print(f"hicache {args.command}: interrupted", file=sys.stderr)
