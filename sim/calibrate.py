@@ -18,6 +18,18 @@ come from the recording itself, by least squares with non-negative coefficients:
   request restored from L3; x equal to u, as in a recording without prefill's own count) is
   left out and its rate stays the node's own setting.
 
+Both fits are robust by trimming (`robust_nnls`): a request more than 5 robust standard
+deviations from the fit (1.4826 x the median absolute deviation) is left out and the fit redone,
+at most a fifth of the requests. So one request that waited 147 s for a reason the cost model
+does not know (a stall, a retry) cannot pull the rates fitted to the others, while ordinary
+noise stays in. How many requests were left out is reported.
+
+A term the recording cannot identify falls back to a prior: when TTFT does not grow with the
+tokens prefill computed (too few requests, or prompts of one length), the prefill rate and the
+attention cost are taken from `prior` (the twin passes the node's own settings), the other terms
+are fitted to what is left, and `fallbacks` names what came from the prior. Only without a prior
+is that an error.
+
 The fit is reported with its residuals, so a reader sees how well a linear model explains the
 node; the twin (`hicache.sim.twin`) turns it into a scenario's hardware and model figures.
 """
@@ -32,6 +44,11 @@ import numpy as np
 import scipy.optimize
 
 MIN_ROWS_PER_TERM = 3  # a term is fitted only when at least this many requests exercise it
+TRIM_SDS = 5.0  # a request further than this many robust SDs from the fit is left out of it
+MAD_TO_SD = 1.4826  # the median absolute deviation of normal noise times this is its SD
+MIN_SCALE_S = 1e-6  # below a microsecond, timings carry no signal (and exact data has no spread)
+MAX_TRIMMED = 0.2  # at most this share of the requests is ever left out
+ROBUST_ROUNDS = 20
 
 
 @attrs.frozen(slots=True)
@@ -67,6 +84,9 @@ class Calibration:
     ttft_residual_max_s: float = 0.0
     tpot_residual_max_s: float = 0.0
     source: str = "fit"  # "fit": from the recording; "header": the node's own settings
+    ttft_trimmed: int = 0  # requests left out of the TTFT fit as outliers
+    tpot_trimmed: int = 0
+    fallbacks: tuple[str, ...] = ()  # rates taken from the prior, since the recording had no signal
 
     def to_dict(self) -> dict[str, float | int | str | None]:
         return attrs.asdict(self)
@@ -83,6 +103,33 @@ def nnls(a: np.ndarray, y: np.ndarray) -> np.ndarray:
     return coef / norms
 
 
+def robust_nnls(a: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`nnls` with gross outliers trimmed: fit, leave out the rows whose residual is over
+    `TRIM_SDS` robust standard deviations (1.4826 x the median absolute deviation of the kept
+    rows' residuals, at least `MIN_SCALE_S`), fit the rest again, until the kept rows stop
+    changing; never more than `MAX_TRIMMED` of the rows. Returns the coefficients and a mask of
+    the rows kept. Ordinary noise (a tick's rounding, normal jitter) lies well within the bound,
+    so only requests no linear cost explains are left out."""
+    n = len(y)
+    keep = np.ones(n, dtype=bool)
+    coef = nnls(a, y)
+    for _ in range(ROBUST_ROUNDS):
+        r = np.abs(a @ coef - y)
+        kept = r[keep]
+        scale = max(MAD_TO_SD * float(np.median(np.abs(kept - np.median(kept)))), MIN_SCALE_S)
+        new = r <= TRIM_SDS * scale
+        most = int(n * MAX_TRIMMED)
+        if n - int(new.sum()) > most:  # trim only the worst `most` rows
+            new = np.ones(n, dtype=bool)
+            if most:
+                new[np.argsort(r)[n - most :]] = False
+        if (new == keep).all():
+            break
+        keep = new
+        coef = nnls(a[keep], y[keep])
+    return coef, keep
+
+
 def _pairs(computed: int, cached: int) -> float:
     """(new, earlier) token pairs the attention of `computed` tokens after `cached` ones covers:
     the cost model's own count (`NodeCosts.prefill_seconds`)."""
@@ -96,9 +143,10 @@ def _residuals(a: np.ndarray, coef: np.ndarray, y: np.ndarray) -> tuple[float, f
     return float(math.sqrt(float(np.mean(r * r)))), float(np.max(np.abs(r)))
 
 
-def fit(samples: Sequence[Sample]) -> Calibration:
+def fit(samples: Sequence[Sample], prior: Calibration | None = None) -> Calibration:
     """The costs that explain `samples` best (ValueError when too few requests measured both a
-    first token and a later one to fit anything)."""
+    first token and a later one to fit anything, or when prefill's rate cannot be fitted and
+    there is no `prior` to take it from)."""
     steps = [s for s in samples if s.tpot_s is not None and s.output > 1]
     firsts = [s for s in samples if s.ttft_s is not None]
     if len(steps) < 2 or len(firsts) < 2:
@@ -110,7 +158,10 @@ def fit(samples: Sequence[Sample]) -> Calibration:
     ctx = np.array([s.prompt + s.output / 2 for s in steps], dtype=np.float64)
     tpot = np.array([s.tpot_s for s in steps], dtype=np.float64)
     a_tp = np.column_stack([np.ones_like(ctx), ctx])
-    step = nnls(a_tp, tpot) if np.ptp(ctx) > 0 else np.array([float(np.mean(tpot)), 0.0])
+    if np.ptp(ctx) > 0:
+        step, tp_kept = robust_nnls(a_tp, tpot)
+    else:
+        step, tp_kept = np.array([float(np.median(tpot)), 0.0]), np.ones(len(tpot), dtype=bool)
     a, b = float(step[0]), float(step[1])
     tp_rms, tp_max = _residuals(a_tp, step, tpot)
     # The first token: prefill's (it computes the first output token), then the transfer's tail.
@@ -128,17 +179,26 @@ def fit(samples: Sequence[Sample]) -> Calibration:
     parted = sum(s.transferred is not None and s.transferred != s.computed for s in firsts)
     if "transferred" in used and parted < MIN_ROWS_PER_TERM:
         used.remove("transferred")
+    coef, tt_kept = _fit_first_token(columns, used, y)
+    fallbacks: tuple[str, ...] = ()
+    if coef.get("computed", 0.0) <= 0:
+        if prior is None:
+            raise ValueError(
+                "calibration: TTFT does not grow with the prompt tokens prefill computed, so no prefill "
+                "rate can be fitted (vary the prompt lengths, or record more requests)"
+            )
+        # Prefill's own terms from the prior; the rest fitted to what they leave unexplained.
+        fixed = {"computed": 1.0 / prior.prefill_tokens_per_s, "pairs": prior.prefill_attention_s}
+        known = sum(np.asarray(columns[k], dtype=np.float64) * v for k, v in fixed.items())
+        rest = [k for k in used if k not in fixed]
+        coef, tt_kept = _fit_first_token(columns, rest, y - known)
+        coef |= fixed
+        used = [*rest, *fixed]
+        fallbacks = ("prefill_tokens_per_s", "prefill_attention_s")
     a_tt = np.column_stack([columns[k] for k in used])
-    coef = {k: float(v) for k, v in zip(used, nnls(a_tt, y), strict=True)}
     tt_rms, tt_max = _residuals(a_tt, np.array([coef[k] for k in used]), y)
-    per_token = coef.get("computed", 0.0)
-    if per_token <= 0:
-        raise ValueError(
-            "calibration: TTFT does not grow with the prompt tokens prefill computed, so no prefill "
-            "rate can be fitted (vary the prompt lengths, or record more requests)"
-        )
     return Calibration(
-        prefill_tokens_per_s=1.0 / per_token,
+        prefill_tokens_per_s=1.0 / coef["computed"],
         prefill_attention_s=coef.get("pairs", 0.0),
         first_token_overhead_s=coef["overhead"],
         decode_step_s=a,
@@ -152,4 +212,18 @@ def fit(samples: Sequence[Sample]) -> Calibration:
         tpot_residual_rms_s=tp_rms,
         ttft_residual_max_s=tt_max,
         tpot_residual_max_s=tp_max,
+        ttft_trimmed=int(np.sum(~tt_kept)),
+        tpot_trimmed=int(np.sum(~tp_kept)),
+        fallbacks=fallbacks,
     )
+
+
+def _fit_first_token(
+    columns: dict[str, list[float]], used: Sequence[str], y: np.ndarray
+) -> tuple[dict[str, float], np.ndarray]:
+    """The first token's terms `used`, fitted robustly to `y`; and which rows the fit kept."""
+    if not used:
+        return {}, np.ones(len(y), dtype=bool)
+    a = np.column_stack([columns[k] for k in used])
+    coef, kept = robust_nnls(a, y)
+    return {k: float(v) for k, v in zip(used, coef, strict=True)}, kept

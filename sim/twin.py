@@ -93,7 +93,7 @@ def twin(
     facts = node_facts(rec)
     if calibrate:
         try:
-            cal = fit(samples(rec))
+            cal = fit(samples(rec), prior=header_costs(facts))
         except ValueError as exc:
             raise TwinError(f"{rec.path}: {exc}") from None
     else:

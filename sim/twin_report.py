@@ -56,7 +56,16 @@ def report(res: TwinResult) -> str:
         f"L2 restore {_rate(c.l2_seconds_per_token)}, "
         f"L3 restore {_rate(c.l3_seconds_per_token)}; "
         f"residuals rms TTFT {c.ttft_residual_rms_s * 1e3:.2f} ms ({c.ttft_rows} req), "
-        f"TPOT {c.tpot_residual_rms_s * 1e3:.2f} ms ({c.tpot_rows} req)",
+        f"TPOT {c.tpot_residual_rms_s * 1e3:.2f} ms ({c.tpot_rows} req); outliers left out: "
+        f"{c.ttft_trimmed} TTFT, {c.tpot_trimmed} TPOT",
+        *(
+            [
+                f"warning          {', '.join(c.fallbacks)} from the node's own settings: the recording "
+                "cannot identify them (TTFT does not grow with the tokens prefill computed)"
+            ]
+            if c.fallbacks
+            else []
+        ),
         f"tiers equal      {res.tiers_equal}/{n} requests (L1, L2, L3 restored tokens as measured)",
         "",
     ]

@@ -384,6 +384,86 @@ def test_the_fit_is_the_least_squares_with_nonnegative_coefficients(seed: int) -
     assert np.all(np.abs(grad[coef > 0]) < 1e-9) and np.all(grad[coef == 0] <= 1e-9)
 
 
+def _linear_samples(rng: Any, n: int, per_token: float, overhead: float) -> list[twin.Sample]:
+    """Requests of varied prompts whose TTFT is `overhead + per_token * computed` plus a little
+    noise, and whose TPOT grows with the context."""
+    out = []
+    for _ in range(n):
+        prompt = int(rng.integers(50, 2000))
+        computed = int(rng.integers(1, prompt + 1))
+        ttft = overhead + per_token * computed + float(rng.normal(0.0, 0.002))
+        tpot = 0.02 + 1e-6 * prompt + float(rng.normal(0.0, 1e-4))
+        out.append(
+            twin.Sample(prompt=prompt, output=20, computed=computed, l2=0, l3=0, ttft_s=ttft, tpot_s=tpot)
+        )
+    return out
+
+
+@settings(max_examples=10, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), outliers=st.integers(1, 3), stall=st.floats(20.0, 200.0))
+def test_an_outlier_request_does_not_move_the_fit(seed: int, outliers: int, stall: float) -> None:
+    """A few requests that stalled for tens of seconds (a reason the cost model does not know)
+    among 40 ordinary ones: the robust fit gives the ordinary requests' costs back and says how
+    many it left out, where plain least squares is pulled far off by them."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    per_token, overhead = 1e-3, 0.05
+    rows = _linear_samples(rng, 40, per_token, overhead)
+    for i in rng.choice(len(rows), outliers, replace=False):
+        rows[int(i)] = attrs.evolve(rows[int(i)], ttft_s=(rows[int(i)].ttft_s or 0.0) + stall)
+    cal = twin.fit(rows)
+    assert cal.prefill_tokens_per_s == pytest.approx(1.0 / per_token, rel=0.05)
+    assert cal.first_token_overhead_s == pytest.approx(overhead, abs=0.01)
+    assert cal.ttft_trimmed >= outliers
+    a = np.column_stack([np.ones(len(rows)), [r.computed for r in rows]])
+    plain = twin_calibrate.nnls(a, np.array([r.ttft_s for r in rows]))
+    assert (
+        abs(plain[0] - overhead) > 0.1 or abs(1.0 / max(plain[1], 1e-12) - 1.0 / per_token) > 0.05 / per_token
+    )
+
+
+@settings(max_examples=10, deadline=None)
+@given(coef=st.lists(st.floats(0.0, 1.0), min_size=3, max_size=3), seed=st.integers(0, 2**32 - 1))
+def test_the_robust_fit_of_exact_data_is_the_exact_fit(coef: list[float], seed: int) -> None:
+    """Data a nonnegative model explains exactly: trimming leaves every row in."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    a = np.column_stack([np.ones(30), rng.uniform(1, 100, 30), rng.uniform(0, 50, 30)])
+    y = a @ np.array(coef)
+    got, kept = twin_calibrate.robust_nnls(a, y)
+    assert np.allclose(a @ got, y, atol=1e-9 * (1 + np.abs(y).max()))
+    assert kept.all()
+
+
+def test_a_term_the_recording_cannot_identify_comes_from_the_prior_with_a_warning() -> None:
+    """Every prompt computed the same number of tokens: TTFT cannot grow with them, so prefill's
+    rate is the prior's (the node's own settings), named in `fallbacks`; without a prior it is
+    an error, as before."""
+    flat = [
+        twin.Sample(
+            prompt=300 + 10 * i, output=10, computed=64, l2=0, l3=0, ttft_s=0.5 + 0.01 * (i % 3), tpot_s=0.02
+        )
+        for i in range(12)
+    ]
+    with pytest.raises(ValueError, match="does not grow"):
+        twin.fit(flat)
+    prior = twin_calibrate.Calibration(
+        prefill_tokens_per_s=2000.0,
+        prefill_attention_s=0.0,
+        first_token_overhead_s=0.0,
+        decode_step_s=0.02,
+        decode_step_per_context_token_s=0.0,
+        source="header",
+    )
+    cal = twin.fit(flat, prior=prior)
+    assert cal.prefill_tokens_per_s == 2000.0
+    assert cal.fallbacks == ("prefill_tokens_per_s", "prefill_attention_s")
+    # What prefill's prior rate leaves unexplained becomes the first-token overhead.
+    assert cal.first_token_overhead_s == pytest.approx(0.51 - 64 / 2000.0, abs=0.01)
+
+
 def test_too_few_measured_requests_cannot_be_calibrated() -> None:
     one = twin.Sample(prompt=100, output=5, computed=100, l2=0, l3=0, ttft_s=0.1, tpot_s=0.01)
     with pytest.raises(ValueError, match="at least 2 requests"):
