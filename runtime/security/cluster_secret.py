@@ -2,9 +2,10 @@
 
 Every connection between nodes — a decode node's control connection to its prefill node, and
 every connection of the transfer engines — opens with a challenge–response over this secret
-(`runtime/security/peer_auth.py`, `runtime/transfer/tcp_handshake.py`), so a local process that merely reaches a
-port can neither read a node's KV nor write it nor redirect it. The secret never crosses the
-wire: each side sends a fresh nonce and a keyed BLAKE2b of both nonces and its role.
+(`runtime/security/peer_auth.py`, `runtime/transfer/tcp_handshake.py`), so a local process
+that merely reaches a port can neither read a node's KV nor write it nor redirect it. The secret
+never crosses the wire: each side sends a fresh nonce and a keyed BLAKE2b of both nonces and its
+role.
 
 Where it comes from, first found wins:
 1. a file named by the operator (`--secret-file`);
