@@ -34,6 +34,7 @@ import attrs
 
 from hicache.sim.calibrate import Sample, fit
 from hicache.sim.twin_compare import errors, overall, request_rows, tiers_equal, ttft_request_error
+from hicache.sim.twin_intervals import change_intervals, sessions_compared
 from hicache.sim.twin_recording import TIERS, Recorded, Recording, TwinError, read_recording
 from hicache.sim.twin_replay import one_client, replay, work_items
 from hicache.sim.twin_report import TwinResult, per_request, report, summary_doc, write_outputs
@@ -124,4 +125,6 @@ def twin(
         what_if=overall(rec, what),
         what_if_baseline=what_sc.run.baselines[0],
         what_if_records=what,
+        what_if_intervals=change_intervals(rec, base, what),
+        what_if_sessions=sessions_compared(rec, base, what),
     )

@@ -12,6 +12,7 @@ import attrs
 from hicache.results import RequestRecord
 from hicache.sim.calibrate import Calibration
 from hicache.sim.twin_compare import request_rows
+from hicache.sim.twin_intervals import DRAWS, LEVEL
 from hicache.sim.twin_recording import TIERS, Recording
 
 
@@ -30,6 +31,10 @@ class TwinResult:
     what_if: dict[str, Any] | None = None
     what_if_baseline: str | None = None
     what_if_records: dict[str, RequestRecord] | None = None
+    # The what-if's change of each metric, its interval by bootstrap over sessions
+    # (`twin_intervals.py`), and how many sessions it was drawn from.
+    what_if_intervals: dict[str, tuple[float, float] | None] | None = None
+    what_if_sessions: int = 0
 
 
 def _pct(x: float | None) -> str:
@@ -71,7 +76,7 @@ def report(res: TwinResult) -> str:
     ]
     head = f"{'metric':<16}{'measured':>12}{'predicted':>12}{'error':>10}"
     if res.what_if is not None:
-        head += f"{'what-if':>12}{'change':>10}"
+        head += f"{'what-if':>12}{'change':>10}  {f'{LEVEL:.0%} interval':<20}"
     lines.append(head)
     rows = [
         ("hit rate", "hit_rate", lambda x: f"{x:.1%}", "hit_rate_pp"),
@@ -89,7 +94,7 @@ def report(res: TwinResult) -> str:
                 change = f"{100 * (w - p):+.1f}pp"
             else:
                 change = "-" if w is None or not p else _pct((w - p) / p)
-            line += f"{fmt(w):>12}{change:>10}"
+            line += f"{fmt(w):>12}{change:>10}  {_interval(res, key):<20}"
         lines.append(line)
     per_request_error = res.errors.get("ttft_per_request")
     if per_request_error is not None:
@@ -107,6 +112,10 @@ def report(res: TwinResult) -> str:
         lines.append(
             f"(what-if: {' '.join(res.overrides)}, replayed as {res.what_if_baseline}; change is against the "
             "predicted baseline, whose error above bounds how far to trust it)"
+        )
+        lines.append(
+            f"(interval: the change over {DRAWS} bootstrap draws of the {res.what_if_sessions} sessions, "
+            "the spread over traffic like the recorded; the cost model's own error is the error column)"
         )
     return "\n".join([*lines, "", *per_request(res)])
 
@@ -143,6 +152,15 @@ def per_request(res: TwinResult) -> list[str]:
     return out
 
 
+def _interval(res: TwinResult, key: str) -> str:
+    iv = (res.what_if_intervals or {}).get(key)
+    if iv is None:
+        return "-"
+    if key == "hit_rate":
+        return f"[{iv[0]:+.1f}, {iv[1]:+.1f}]pp"
+    return f"[{iv[0]:+.1%}, {iv[1]:+.1%}]"
+
+
 def _cell(x: float | str) -> str:
     return "-" if x == "" else f"{x:.3f}"
 
@@ -173,6 +191,10 @@ def summary_doc(res: TwinResult, sc_doc: Mapping[str, Any] | None = None) -> dic
             "overrides": list(res.overrides),
             "baseline": res.what_if_baseline,
             **{f"predicted_{k}": v for k, v in res.what_if.items() if k != "requests"},
+            # hit rate in points, times relative; the central LEVEL of bootstrap draws over sessions
+            "change_interval": {k: list(v) if v else None for k, v in (res.what_if_intervals or {}).items()},
+            "interval_level": LEVEL,
+            "interval_sessions": res.what_if_sessions,
         }
     if sc_doc is not None:
         out["scenario"] = dict(sc_doc)

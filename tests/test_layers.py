@@ -118,7 +118,9 @@ SPLIT_MODULES: dict[str, tuple[str, ...]] = {
     ),
     "runtime/transfer/tcp.py": ("tcp_wire", "tcp_handshake", "tcp_target"),
     "runtime/storage/file_store.py": ("page_file", "file_io", "file_recovery"),
-    "sim/twin.py": ("twin_recording", "twin_scenario", "twin_replay", "twin_compare", "twin_report"),
+    "sim/twin.py": (
+        "twin_recording", "twin_scenario", "twin_replay", "twin_compare", "twin_intervals", "twin_report",
+    ),
     "sim/sweep.py": ("sweep_plan", "sweep_executors", "sweep_table"),
     "scenarios/scenario.py": ("scenario_checks", "scenario_specs", "scenario_schema"),
 }  # fmt: skip
@@ -549,6 +551,7 @@ def test_a_part_importing_its_whole_is_found(tmp_path: Path) -> None:
         "sim/twin.py: does not import its part hicache.sim.twin_scenario",
         "sim/twin.py: does not import its part hicache.sim.twin_replay",
         "sim/twin.py: does not import its part hicache.sim.twin_compare",
+        "sim/twin.py: does not import its part hicache.sim.twin_intervals",
         "sim/twin.py: does not import its part hicache.sim.twin_report",
     ]
 

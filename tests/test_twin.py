@@ -525,6 +525,57 @@ def test_a_what_if_replays_with_the_overrides(recorded: Path) -> None:
         twin.twin(recorded, ["cache.colour=1"])
 
 
+def test_a_what_if_s_change_carries_its_interval_over_sessions(recorded: Path) -> None:
+    """The interval holds the change over the whole recording's sessions (the statistic the
+    bootstrap draws are centred on), the report and summary.json carry it, and the draws are
+    the same on every run."""
+    small = ["run.baselines=['l1']", f"cache.l1_tokens={32 * PAGE}"]  # L2 and L3 off, L1 smaller
+    res = twin.twin(recorded, small)
+    assert res.what_if is not None and res.what_if_intervals is not None
+    assert res.what_if_sessions == len({r.session for r in twin.read_recording(recorded).requests})
+    point = 100.0 * (res.what_if["hit_rate"] - res.predicted["hit_rate"])
+    low, high = res.what_if_intervals["hit_rate"] or (math.nan, math.nan)
+    assert low <= point + 1e-9 and point - 1e-9 <= high and low < 0  # hits lost
+    assert twin.twin(recorded, small).what_if_intervals == res.what_if_intervals
+    assert "90% interval" in twin.report(res) and "bootstrap draws" in twin.report(res)
+    doc = twin.summary_doc(res)
+    assert doc["what_if"]["change_interval"]["hit_rate"] == [low, high]
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    factor=st.floats(0.25, 4.0),
+    hits=st.lists(st.integers(0, 100), min_size=1, max_size=8),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_an_interval_is_exact_where_every_draw_agrees(
+    recorded: Path, factor: float, hits: list[int], seed: int
+) -> None:
+    """A what-if that scales every request's times by one factor changes every draw's mean and p90
+    by that factor exactly; one that keeps the tiers changes no draw's hit rate: the interval
+    is then a point. Sessions whose hits differ spread the hit-rate interval around the point."""
+    from hicache.sim import twin_intervals
+
+    rec = twin.read_recording(recorded)
+    base = twin.twin(recorded).records
+    scaled = {k: attrs.evolve(r, ttft_s=r.ttft_s * factor, tpot_s=r.tpot_s * factor) for k, r in base.items()}
+    iv = twin_intervals.change_intervals(rec, base, scaled, draws=50, seed=seed)
+    for key in ("ttft_mean_s", "ttft_p90_s", "tpot_mean_s"):
+        assert iv[key] is not None and iv[key] == pytest.approx(
+            (factor - 1.0, factor - 1.0), rel=1e-9, abs=1e-12
+        )
+    assert iv["hit_rate"] == pytest.approx((0.0, 0.0), abs=1e-12)
+    sessions = sorted({r.session for r in rec.requests})
+    lost = {s: hits[i % len(hits)] for i, s in enumerate(sessions)}  # % of its hits a session loses
+    by_id = {r.id: r.session for r in rec.requests}
+    cut = {
+        k: attrs.evolve(r, cached_l1=r.cached_l1 * (100 - lost[by_id[k]]) // 100, cached_l2=0, cached_l3=0)
+        for k, r in base.items()
+    }
+    low, high = twin_intervals.change_intervals(rec, base, cut, draws=200, seed=seed)["hit_rate"] or (0, 0)
+    assert low <= high <= 0.0
+
+
 def test_the_command_prints_and_writes_the_comparison(
     recorded: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
