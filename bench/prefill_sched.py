@@ -121,7 +121,8 @@ def summary(rows: list[dict]) -> dict[str, Any]:
 def serve(args: argparse.Namespace, log: Path) -> tuple[subprocess.Popen, str]:
     env = dict(os.environ)
     if args.src:
-        env.update(PYTHONPATH=args.src, HICACHE_SRC=args.src, HICACHE_PURE="1")
+        env.update(PYTHONPATH=args.src, HICACHE_SRC=args.src)
+    env["HICACHE_PURE"] = "1"  # the same Python core on both sides of a comparison
     cmd = [
         sys.executable,
         "-m",
@@ -134,7 +135,10 @@ def serve(args: argparse.Namespace, log: Path) -> tuple[subprocess.Popen, str]:
         "--max-tokens",
         "16384",
     ]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log.open("w"), text=True, env=env)
+    # cwd: not a checkout, whose hicache/ `-m` would import ahead of HICACHE_SRC's
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=log.open("w"), text=True, env=env, cwd=log.parent
+    )
     assert proc.stdout is not None
     line = proc.stdout.readline()
     if not line:

@@ -11,12 +11,15 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 import trio
 from node_pair import GUARD_S, node_pair
 
 from hicache.runtime.model.llama import TinyConfig, TinyModel
 from hicache.runtime.wire.client import DecodeClient
+
+pytestmark = pytest.mark.slow  # a few seconds each: nodes computing a 7,000-token prompt
 
 LONG = 7000  # tokens of the long prompt
 SMALL = 40

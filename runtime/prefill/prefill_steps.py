@@ -120,58 +120,54 @@ class Stepper:
                 (self.sched.steps, tuple((c.key, c.lo, c.hi, len(self.prompts[c.key].ids)) for c in chunks))
             )
             try:
-                results = await trio.to_thread.run_sync(
+                await trio.to_thread.run_sync(
                     self._compute, chunks, token, limiter=self.limiter, abandon_on_cancel=False
                 )
             finally:
                 self._computing = set()
                 self._chunk_ended.set()
                 self._chunk_ended = trio.Event()
-            for chunk, logits, error in results:
-                p = self.prompts.get(chunk.key)
-                if p is None:
-                    continue
-                if error is not None:
-                    p.error = error
-                    self.sched.cancel(chunk.key)
-                elif logits is not None:
-                    self.sched.computed(chunk)
-                    if chunk.last:
-                        p.logits = logits
-                        self.served.append(
-                            (chunk.key, len(p.ids), self.arrived_at.get(chunk.key, 0), self.sched.steps)
-                        )
-            for p in list(self.prompts.values()):
+            for p in list(self.prompts.values()):  # the queued ones hear where they are
                 p.notify()
 
     def kick(self) -> None:
         self._wake.set()
 
-    def _compute(
-        self, chunks: list[Chunk], token: trio.lowlevel.TrioToken
-    ) -> list[tuple[Chunk, torch.Tensor | None, BaseException | None]]:
-        """The step's chunks, one forward each (on the worker thread). A chunk of a prompt
-        cancelled meanwhile is skipped; a chunk that fails fails its prompt alone."""
-        out: list[tuple[Chunk, torch.Tensor | None, BaseException | None]] = []
+    def _compute(self, chunks: list[Chunk], token: trio.lowlevel.TrioToken) -> None:
+        """The step's chunks, one forward each (on the worker thread), each reported as soon as
+        it is done (a short prompt computed first goes on while the others compute). A chunk of
+        a prompt cancelled meanwhile is skipped; a chunk that fails fails its prompt alone."""
         for c in chunks:
             p = self.prompts.get(c.key)
+            logits, error = None, None
             if p is None or self.sched.phase(c.key) is not Phase.RUNNING:
                 self.skipped += 1
-                out.append((c, None, None))
             else:
                 try:
-                    out.append((c, self._forward(p, c), None))
+                    logits = self._forward(p, c)
                     self.chunks += 1
                 except Exception as exc:  # this prompt fails; the others go on
                     log.exception("prefill of %s failed at [%d, %d)", c.key, c.lo, c.hi)
-                    out.append((c, None, exc))
-            trio.from_thread.run_sync(self._chunk_done, c.key, trio_token=token)
-        return out
+                    error = exc
+            trio.from_thread.run_sync(self._chunk_done, c, logits, error, trio_token=token)
 
-    def _chunk_done(self, key: str) -> None:
-        self._computing.discard(key)
+    def _chunk_done(self, c: Chunk, logits: torch.Tensor | None, error: BaseException | None) -> None:
+        """Chunk `c` computed (`logits`), failed (`error`) or skipped (neither): in trio."""
+        self._computing.discard(c.key)
         self._chunk_ended.set()
         self._chunk_ended = trio.Event()
+        p = self.prompts.get(c.key)
+        if p is None:
+            return
+        if error is not None:
+            p.error = error
+            self.sched.cancel(c.key)
+        elif logits is not None:
+            self.sched.computed(c)
+            if c.last:
+                p.logits = logits
+                self.served.append((c.key, len(p.ids), self.arrived_at.get(c.key, 0), self.sched.steps))
+        p.notify()
 
     def _forward(self, p: Prompt, c: Chunk) -> torch.Tensor:
         if p.work is not None:
