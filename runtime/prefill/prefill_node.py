@@ -5,13 +5,20 @@ A decode node connects, proves that it holds the cluster secret (`runtime/securi
 prefill node proves it too), says hello with its engine's `local_info()`, then sends
 `kv` requests: tokens, the range [start, end) it lacks, and the L1 pages to write them to. The
 prefill node computes the KV its own cache (`prefill_cache`: L1, L2, and the shared L3) does
-not hold, stages the pages, posts one WRITE with the notification `kv:<transfer>`, and answers
-with the first output token, the digests of the pages it sent, and how many prompt tokens it
-had cached (`cached`: per tier).
+not hold, in chunks that its scheduler interleaves with other prompts' (`prefill_steps`,
+`hicache.core.prefill_sched`), stages the pages as chunks complete them and WRITEs them
+(`kv_out`), the notification `kv:<transfer>` on the last, and answers with the first output
+token, the digests of the pages it sent, and how many prompt tokens it had cached (`cached`:
+per tier). A `kv` with `progress: true` also hears, after every step, `progress` messages
+(`done` of `total` tokens computed, or `queued` prompts ahead of it), so the decode node waits
+for prefill's silence, not for its slowness. A request this node can never serve as it is (more
+staging pages than it has, a bad field) is answered `ok: false, refused: true` with the reason:
+asking again would fail again.
 
 A decode node that gives up on a transfer sends `cancel` (on any of its connections): the
-transfer is cancelled, its WRITE settled (`TransferEngine.settle`: nothing more of it moves),
-and only then is `cancelled` answered, so the decode node may reuse the pages. Every reply, a
+transfer is cancelled (leaving the queue, or getting no further chunk), its WRITE settled
+(`TransferEngine.settle`: nothing more of it moves), and only then is `cancelled` answered, so
+the decode node may reuse the pages. Every reply, a
 failure included, is likewise sent only after its WRITE settled. A request cancelled before
 it arrived is refused when it does. When a control connection ends, the transfers it asked for
 are cancelled the same way: their decode node stopped waiting for them.

@@ -7,8 +7,8 @@ out a step at a time. A step's chunks run one after another in one worker thread
 prompt's chunk its own forward (`LlamaModel.prefill_into` over its L1 pages). Why not one
 batched forward over the step's chunks: the paged forward pads every request's keys to the
 longest one, and beside a long prompt's chunk that padding costs more than it saves (a
-512-token chunk at 6,000 tokens of context plus a 200-token prompt: 9.4 s batched against
-5.8 s one after the other, `bench/prefill_sched.py --micro`).
+512-token chunk at 6,000 tokens of context plus a 200-token prompt: 11.2-18.1 s batched
+against 8.3-10.1 s one after the other, `bench/prefill_sched.py --micro`, BENCHMARKS.md).
 
 A chunk's pages leave as soon as they are computed, in layer groups during its forward
 (`layer_groups`), so a long prompt's transfer overlaps its own later chunks. After every step
