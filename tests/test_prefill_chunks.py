@@ -178,3 +178,31 @@ async def test_a_silent_prefill_is_given_up_and_its_work_dropped(tmp_path: Path)
         await until(lambda: not sched.jobs, "prefill dropping it")
         assert sched.cancelled_running == 1
         assert not steps.served
+
+
+async def test_a_retry_resumes_from_the_chunks_prefill_computed(tmp_path: Path) -> None:
+    """A transfer given up on part-way (prefill went silent in a chunk) is retried: the chunks
+    prefill computed before stay in its cache, so the retry computes only the rest, and the KV
+    is still exact."""
+    model = Paced(delay=0.0)
+    prefill = {"staging_pages": 1024, "chunk_tokens": CHUNK, "step_tokens": STEP}
+    async with node_pair(
+        tmp_path, retries=1, transfer_timeout=1.5, config=BIG, prefill=prefill, prefill_model=model
+    ) as pair:
+        sched, steps = pair.prefill.sched, pair.prefill.steps
+
+        async def stall_once() -> None:
+            await until(lambda: steps.chunks >= 4, "some chunks")
+            model.hold.clear()
+            await until(lambda: sched.cancelled_running >= 1, "the decode node giving up")
+            model.hold.set()
+
+        tokens = prompt(8, LONG)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(stall_once)
+            with trio.fail_after(GUARD_S * 3):
+                reply, kv = await pair.client.generate("resumed", tokens, 3, verify=True)
+        assert reply["outcome"] == "finished", reply
+        assert pair.ledger.check(tokens, 3, reply, kv) == []
+        assert pair.service.core.stats.transfer_retries == 1
+        assert pair.prefill.reused_tokens >= 4 * CHUNK  # the retry started where prefill stopped
