@@ -10,8 +10,8 @@ and, where SGLang has one, SGLang's (`--hicache-ratio`, `--hicache-write-policy`
 The flags of the core's settings are not written out here: they are made (`Flag.of`) from each
 setting's description in the core (`DecodeConfig`'s field metadata, and `L2_SIZE` for the inputs
 of `l2_pages`), which says their names, help, bounds, choices and defaults. What this module
-writes out is what is the node's own: --tick-interval, the storage flags, --no-decode-cache and
-SGLang's extra config.
+writes out is what is the node's own: --tick-interval, --prefill-silence-timeout, the storage
+flags, --no-decode-cache and SGLang's extra config.
 """
 
 from __future__ import annotations
@@ -137,10 +137,25 @@ TICK_INTERVAL = Flag(
     metavar="S",
     scenario="cluster.tick_interval",
 )
+# The node's own: how long prefill may say nothing of a transfer. Prefill reports each chunk it
+# computes (and a queued prompt's place after every step), so this bounds silence, not the time
+# a long prompt or a busy prefill node takes; one step of the default model on a busy 2-core
+# machine is seconds, so a minute of silence means prefill is gone or stuck.
+PREFILL_SILENCE = Flag(
+    "--prefill-silence-timeout",
+    "prefill_silence_s",
+    float_above(0),
+    60.0,
+    "seconds prefill may say nothing of a transfer (no progress, no answer) before the node gives "
+    "it up, cancels it on prefill and retries; never a bound on how long prefill takes",
+    metavar="S",
+    group=TRANSFER,
+)
 # The flags `add_flags` adds and `decode_config` reads, in --help's order.
 ALL_FLAGS: tuple[Flag, ...] = (
     *(Flag.of(s) for s in SETTINGS.values() if s.group in GROUP_TITLES),
     TICK_INTERVAL,
+    PREFILL_SILENCE,
 )
 # The keys of SGLang's --hicache-storage-backend-extra-config that are settings of ours.
 EXTRA_CONFIG_KEYS = {s.sglang_extra_config: s.name for s in SETTINGS.values() if s.sglang_extra_config}
@@ -296,6 +311,7 @@ def decode_config(args: argparse.Namespace, page_bytes: int | None = None) -> De
             page_bytes=page_bytes or 0,
         )
     values.pop("tick_interval")  # the node's, not the core's
+    values.pop("prefill_silence_s")
     return DecodeConfig(
         l1_pages=l1,
         l2_pages=0 if off else l2,

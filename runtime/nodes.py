@@ -38,7 +38,12 @@ from hicache.runtime.malloc_tuning import DEFAULT_MMAP_THRESHOLD, pin_mmap_thres
 from hicache.runtime.model.llama import LlamaConfig, LlamaModel, TinyConfig, TinyModel
 from hicache.runtime.model.tp_model import check_split, shard_model
 from hicache.runtime.prefill.prefill_cache import DEFAULT_CACHE_BYTES, Speeds
-from hicache.runtime.prefill.prefill_node import DEFAULT_LAYER_GROUPS, PrefillNode
+from hicache.runtime.prefill.prefill_node import (
+    DEFAULT_CHUNK_TOKENS,
+    DEFAULT_LAYER_GROUPS,
+    DEFAULT_STEP_TOKENS,
+    PrefillNode,
+)
 from hicache.runtime.security.api_keys import ApiKeyError, ApiKeys
 from hicache.runtime.security.cluster_secret import ClusterSecret, UntrustedSecret
 from hicache.runtime.security.limits import Limits
@@ -151,6 +156,8 @@ class PrefillOptions:
     storage_dir: Path | None = None  # the decode nodes' L3 folder, read by the prefill cache
     speeds: Speeds = Speeds()  # L3 reads vs computing: first estimates (refined when measuring)
     layer_groups: int = DEFAULT_LAYER_GROUPS  # KV leaves in this many layer groups; 0: after prefill
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS  # a prompt computes in chunks of at most this
+    step_tokens: int = DEFAULT_STEP_TOKENS  # tokens of one step's chunks together
 
 
 @attrs.frozen
@@ -166,6 +173,7 @@ class DecodeOptions:
     storage_backend: str = "file"  # with storage_dir: "file", or "nixl" (NIXL's POSIX backend)
     l2_gigabytes: float = 0.0  # > 0: L2 sized to this many GB once a page's bytes are known
     tick_interval: float = 0.002
+    prefill_silence_s: float = 60.0  # prefill's silence about a transfer before it is given up
     faults: FaultSpec | None = None  # injected into the node's own operations
     mmap_threshold: int = DEFAULT_MMAP_THRESHOLD  # 0: leave glibc's adaptive threshold
     limits: Limits = Limits()
@@ -224,6 +232,8 @@ async def run_prefill(opts: PrefillOptions) -> None:
                 limits=opts.limits,
                 secret=secret,
                 layer_groups=opts.layer_groups,
+                chunk_tokens=opts.chunk_tokens,
+                step_tokens=opts.step_tokens,
             )
             nursery.start_soon(_until_signal, nursery.cancel_scope)
             try:
@@ -372,6 +382,7 @@ async def _run_decode(opts: DecodeOptions, model: LlamaModel, model_name: str, g
             engine,
             model_name=model_name,
             tick_interval=opts.tick_interval,
+            transfer_timeout=opts.prefill_silence_s,
             faults=opts.faults,
             limits=opts.limits,
             secret=secret,

@@ -87,7 +87,7 @@ async def node_pair(
         trio.open_nursery() as nursery,
     ):
         prefill_node = PrefillNode(
-            prefill_model or model, layout, p_engine, staging_pages=64, **(prefill or {})
+            prefill_model or model, layout, p_engine, **{"staging_pages": 64, **(prefill or {})}
         )
         listeners = await nursery.start(prefill_node.serve, 0)
         store = FileStore(tmp_path / "l3", layout)

@@ -24,7 +24,7 @@ from node_pair import GUARD_S, PAGE, authenticated, node_pair, prompt, small_cor
 from hicache.runtime.decode.decode_node import DecodeService
 from hicache.runtime.model.llama import TinyConfig, TinyModel
 from hicache.runtime.nodes import layout_for, sole
-from hicache.runtime.prefill import prefill_node
+from hicache.runtime.prefill import kv_out
 from hicache.runtime.prefill.prefill_node import PrefillNode
 from hicache.runtime.security import peer_auth
 from hicache.runtime.security.cluster_secret import ClusterSecret, UntrustedSecret, default_path
@@ -221,19 +221,19 @@ async def test_a_page_that_is_not_what_prefill_sent_is_never_served(
     """Prefill's digests disagree with the pages that land (as if a page were altered on the
     way): with no fault injection at all, the transfer fails and its retries fail; the request
     fails with the reason instead of decoding from those pages."""
-    real = prefill_node.page_digests
+    real = kv_out.page_digests
 
     def lying(pages):
         return ["0" * 32 for _ in real(pages)]
 
-    monkeypatch.setattr(prefill_node, "page_digests", lying)
+    monkeypatch.setattr(kv_out, "page_digests", lying)
     async with node_pair(tmp_path, storage=False, retries=1) as pair:
         assert pair.service.faults is None and not pair.service.check_pages
         with trio.fail_after(GUARD_S):
             reply, _ = await pair.client.generate("r", prompt(4), 2)
         assert reply["outcome"] == "failed"
         assert "differs from what prefill sent" in reply["reason"], reply["reason"]
-        monkeypatch.setattr(prefill_node, "page_digests", real)
+        monkeypatch.setattr(kv_out, "page_digests", real)
         assert (await turn(pair.client, pair.ledger, "fine", prompt(5)))["outcome"] == "finished"
 
 

@@ -82,10 +82,10 @@ def test_the_core_stays_free_of_argparse() -> None:
 
 
 def test_the_node_flags_of_core_settings_are_generated_from_the_descriptions() -> None:
-    """runtime/cache_flags.py writes out only the node's own --tick-interval; every other flag
-    of its table is a core setting's, as described."""
+    """runtime/cache_flags.py writes out only the node's own --tick-interval and
+    --prefill-silence-timeout; every other flag of its table is a core setting's, as described."""
     literal = [f for f in cache_flags.ALL_FLAGS if f.dest not in cache_flags.SETTINGS]
-    assert literal == [cache_flags.TICK_INTERVAL]
+    assert literal == [cache_flags.TICK_INTERVAL, cache_flags.PREFILL_SILENCE]
     for f in cache_flags.ALL_FLAGS:
         if f.dest in cache_flags.SETTINGS:
             made = cache_flags.Flag.of(cache_flags.SETTINGS[f.dest])

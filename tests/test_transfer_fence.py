@@ -165,12 +165,16 @@ def stall_first(prefill: PrefillNode, name: str, gate: trio.Event | None = None)
 
 
 @pytest.mark.slow
-async def test_a_stalled_transfer_is_fenced_by_the_target_and_retried(tmp_path: Path) -> None:
+async def test_a_stalled_transfer_is_cancelled_on_prefill_and_retried(tmp_path: Path) -> None:
+    """Prefill silent about a transfer: the decode node gives it up, and, though its TCP target
+    could fence it alone, asks prefill to cancel it first, so prefill drops that work instead
+    of computing it for nobody beside the retry."""
     async with node_pair(tmp_path, transfer_timeout=0.5) as pair:
         answers = stall_first(pair.prefill, "_answer_kv")
         reply = await turn(pair.client, pair.ledger, "a", prompt(1))
         assert reply["outcome"] == "finished", reply["reason"]
-        assert len(answers) == 2 and pair.prefill.cancelled == 0  # the TCP target fenced it alone
+        assert len(answers) == 2 and pair.prefill.cancelled == 1
+        assert pair.service.transfers.cancels == 1  # prefill confirmed: that is the fence
         stats = await pair.client.stats()
         assert stats["transfer_retries"] == 1 and stats["transfers_abandoned"] == 0
         await assert_nothing_held(pair.service, pair.client)

@@ -82,6 +82,8 @@ def run_node(args: argparse.Namespace) -> int:
                     args.l3_read_bytes_per_s, args.compute_tokens_per_s, measure=not args.fixed_speeds
                 ),
                 layer_groups=args.layer_groups,
+                chunk_tokens=args.chunked_prefill_size,
+                step_tokens=args.max_prefill_tokens,
             )
             return nodes.main_prefill(opts)
         return nodes.main_decode(decode_options(args, model))
@@ -115,6 +117,7 @@ def decode_options(args: argparse.Namespace, model: TinyConfig | str) -> DecodeO
         storage_backend="nixl" if storage_backend == "nixl" else "file",
         l2_gigabytes=cache_flags.l2_gigabytes(args),
         tick_interval=args.tick_interval,
+        prefill_silence_s=args.prefill_silence_s,
         faults=FaultSpec.from_arg(args.faults) if args.faults else None,
         mmap_threshold=args.mmap_threshold,
         limits=limits(args),

@@ -316,6 +316,27 @@ PREFILL = Command(
             "notification on the last, so the transfer overlaps prefill (SGLang streams by layer); 0: "
             "once prefill is done (default 4)",
         ),
+        Group(
+            "the prefill scheduler (prompts compute in chunks, shortest remaining work first)",
+            (
+                arg(
+                    "--chunked-prefill-size",
+                    type=int_in(1),
+                    default=512,
+                    metavar="TOKENS",
+                    help="most tokens of one prompt computed in one step (SGLang's name), rounded down "
+                    "to whole pages: a long prompt is computed in chunks, interleaved with other prompts, "
+                    "so a short prompt waits about one chunk, not the whole long prompt (default 512)",
+                ),
+                arg(
+                    "--max-prefill-tokens",
+                    type=int_in(1),
+                    default=1024,
+                    metavar="TOKENS",
+                    help="most tokens of all the chunks of one step (SGLang's name) (default 1024)",
+                ),
+            ),
+        ),
     ),
     run=rt.run_node,
 )

@@ -1,7 +1,8 @@
 """The transfer track: KV from prefill (`RequestKV`) for what the node promised not to restore,
 and for what a restore fell short of (`fallback`). A failed transfer is retried on the same
-slots, at once or after a backoff (`TRANSFER_RETRY` timer); one that fails after its retries,
-or is abandoned, fails the request."""
+slots, at once or after a backoff (`TRANSFER_RETRY` timer), unless its failure is deterministic
+(`KVFailed.retry` False: prefill refused it as it is); one that fails after its retries, is
+refused, or is abandoned, fails the request."""
 
 from __future__ import annotations
 
@@ -84,7 +85,7 @@ class DecodeTransfer(DecodeFinish):
             if t.claims:
                 self.device_pool.free(t.claims, ("xfer", t.tid))
             return
-        retry = t.attempt < self.cfg.transfer_retries
+        retry = e.retry is not False and t.attempt < self.cfg.transfer_retries
         self._next_state(r, ev.KVFailed if retry else Decision.TRANSFER_FAILED)
         t.phase = phase
         del self._transfers[t.tid]
@@ -103,6 +104,9 @@ class DecodeTransfer(DecodeFinish):
             timer = next(self._ids)
             self._timers[timer] = (TimerKind.TRANSFER_RETRY, later.tid)
             self._emit(cmd.SetTimer(timer, self.now + delay, TimerKind.TRANSFER_RETRY, later.tid))
+            return
+        if e.retry is False:  # deterministic: it was not retried, and the reason says it all
+            self._end(r, Decision.TRANSFER_FAILED, Outcome.FAILED, e.reason)
             return
         self._end(
             r,

@@ -113,12 +113,15 @@ class KVArrived:
 
 @attrs.frozen(slots=True)
 class KVFailed:
-    """A `RequestKV` transfer failed; nothing more will be written to its slots."""
+    """A `RequestKV` transfer failed; nothing more will be written to its slots. `retry` False:
+    the failure is deterministic (prefill refused the request as it is, e.g. a prompt larger
+    than it can stage), so asking again would fail again: the request ends with `reason`."""
 
     at: float
     req: str
     transfer: int
     reason: str = "transfer failed"
+    retry: bool = True
 
 
 @attrs.frozen(slots=True)

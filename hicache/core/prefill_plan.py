@@ -188,10 +188,11 @@ class PrefillPlanner:
             pin, plan.pin = plan.pin, None
             self.tree.unpin_host(pin)
 
-    def finish(self, plan: PrefillPlan, now: float, insert: bool = True) -> None:
-        """Let the prompt go: with `insert` and reserved slots, its full pages enter the tree
-        first. Slots the tree did not adopt (work pages, or all of them) are freed. Calling it
-        again does nothing, so a driver may also call it on its way out of a failure."""
+    def finish(self, plan: PrefillPlan, now: float, insert: bool = True, pages: int | None = None) -> None:
+        """Let the prompt go: with `insert` and reserved slots, its full pages (or its first
+        `pages` of them: all a prompt stopped part-way computed) enter the tree first. Slots
+        the tree did not adopt (work pages, or all of them) are freed. Calling it again does
+        nothing, so a driver may also call it on its way out of a failure."""
         if plan.done:
             return
         tree = self.tree
@@ -201,8 +202,10 @@ class PrefillPlanner:
             tree.unlock(lock)
         slots = plan.slots
         if insert and slots is not None:
-            full = len(plan.keys)
-            tree.insert(plan.keys, plan.device_slots + slots[: full - plan.device_pages], plan.owner, now)
+            full = len(plan.keys) if pages is None else max(0, min(pages, len(plan.keys)))
+            if pages is None or full > plan.device_pages:
+                own = slots[: full - plan.device_pages]
+                tree.insert(plan.keys[:full], plan.device_slots + own, plan.owner, now)
         self._backups()
         plan.done = True
         if slots:

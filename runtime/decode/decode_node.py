@@ -84,7 +84,7 @@ class DecodeService:
         *,
         model_name: str = "tiny",
         tick_interval: float = 0.002,
-        transfer_timeout: float = 30.0,
+        transfer_timeout: float = 60.0,
         fence_timeout: float = 5.0,
         device: str = "cpu",
         faults: FaultSpec | None = None,
@@ -95,14 +95,16 @@ class DecodeService:
         tp: TPGroup | None = None,
         command_log: TextIO | None = None,
     ) -> None:
-        """`check_pages` (default: whenever `faults` are given) verifies every page leaving L2
-        against its checksum (pages received from prefill are always checked against prefill's
-        digests); `limits` bound what clients may hold; `secret` (default:
-        `ClusterSecret.load()`) is what the prefill node must prove it holds, and this node too;
-        `api_keys` say who clients are (None: open, see `runtime/security/api_keys.py`). With `tp`, this
-        is one rank of a tensor-parallel node (`model` its part, `layout` its heads) run in
-        rounds with the others (`runtime/tp/tp_rounds.py`); `command_log` (a text file) records
-        every command the core emits, for comparing ranks."""
+        """`transfer_timeout`: seconds prefill may stay silent about a transfer (no progress,
+        no answer) before it is given up on (`Transfers`). `check_pages` (default: whenever
+        `faults` are given) verifies every page leaving L2 against its checksum (pages received
+        from prefill are always checked against prefill's digests); `limits` bound what clients
+        may hold; `secret` (default: `ClusterSecret.load()`) is what the prefill node must prove
+        it holds, and this node too; `api_keys` say who clients are (None: open, see
+        `runtime/security/api_keys.py`). With `tp`, this is one rank of a tensor-parallel node
+        (`model` its part, `layout` its heads) run in rounds with the others
+        (`runtime/tp/tp_rounds.py`); `command_log` (a text file) records every command the core
+        emits, for comparing ranks."""
         if layout.page_size != config.page_size:
             raise ValueError(f"layout page size {layout.page_size} != core page size {config.page_size}")
         if tp is not None and faults is not None and faults.active:
@@ -214,7 +216,7 @@ class DecodeService:
             cmd.StartDecode: batch.start,
             cmd.ExtendKV: batch.extend,
             cmd.Retract: batch.retract,
-            cmd.Respond: batch.respond,
+            cmd.Respond: self._respond,
         }
         if self.rounds is not None:
             table[cmd.SetTimer] = self.rounds.set_timer
@@ -222,6 +224,11 @@ class DecodeService:
         if self.command_log is not None:
             table = {kind: self._logged(fn) for kind, fn in table.items()}
         return table
+
+    def _respond(self, c: cmd.Respond) -> None:
+        """Answer the request; transfers still in flight for it are cancelled, on prefill too."""
+        self.batch.respond(c)
+        self.transfers.request_ended(c.req)
 
     def _logged(self, fn: Callable[[Any], None]) -> Callable[[Any], None]:
         """`fn`, after writing its command to the command log (an agreement without its values,

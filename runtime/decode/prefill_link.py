@@ -5,8 +5,9 @@ One connection at a time: opened at start and, once lost, again by the next tran
 at the address `PrefillAddress` gives then (a prefill node restarted elsewhere is found there).
 It opens with a mutual challenge–response over the cluster secret and a hello that checks the two
 nodes can work together (`hicache.runtime.wire.compat`). Each connection has a task reading its
-answers and handing each to the transfer that waits for it; a connection that breaks or says
-something unusable is dropped, which closes the waits of the transfers sent on it. The tasks run
+answers and handing each to the transfer that waits for it (and each `progress` message, which
+says prefill is still working on a transfer, to whoever `follow`s it); a connection that breaks
+or says something unusable is dropped, which closes the waits of the transfers sent on it. The tasks run
 under `run`, in the service's nursery.
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+from collections.abc import Callable
 from typing import Any
 
 import trio
@@ -72,6 +74,7 @@ class PrefillLink:
         self._sent: dict[int, int] = {}  # transfer -> the connection its message went out on
         self._unsent = trio.Event()  # set (and replaced) whenever a transfer leaves `_sent`
         self._replies: dict[int, trio.MemorySendChannel[dict[str, Any]]] = {}
+        self._progress: dict[int, Callable[[dict[str, Any]], None]] = {}  # transfer -> hears its progress
         self.arrivals: dict[int, trio.Event] = {}  # transfer -> set by its notification
         send, self._readers = trio.open_memory_channel[tuple[Any, ...]](math.inf)
         self._new_reader = send
@@ -142,10 +145,16 @@ class PrefillLink:
         self._replies[tid] = send
         return receive
 
+    def follow(self, tid: int, heard: Callable[[dict[str, Any]], None]) -> None:
+        """Call `heard(msg)` with each `progress` message prefill sends about transfer `tid`
+        (prefill computed more of it, or it moved up prefill's queue), until `forget(tid)`."""
+        self._progress[tid] = heard
+
     def forget(self, tid: int) -> None:
         """Transfer `tid` waits for no more answers."""
         self._unsend(tid)
         self._replies.pop(tid, None)
+        self._progress.pop(tid, None)
 
     def _unsend(self, tid: int) -> None:
         if self._sent.pop(tid, None) is not None:
@@ -226,6 +235,11 @@ class PrefillLink:
                     if g == gen and send is not None:
                         send.close()
                 return
+            if msg["op"] == "progress":  # not an answer: the transfer is still in prefill's hands
+                heard = self._progress.get(tid)
+                if heard is not None:
+                    heard(msg)
+                continue
             if self._sent.get(tid) == gen:
                 self._unsend(tid)
             send = self._replies.get(tid)

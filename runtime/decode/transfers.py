@@ -6,9 +6,16 @@ a digest per page. Every page received is checked against those digests (on the 
 control connection): a page that differs fails the transfer, which the core retries or falls
 back from, and is never decoded from.
 
-The core learns a transfer failed only once no byte of it can still land (a fence): the TCP
-engine fences by itself; otherwise prefill's answer is the fence, or prefill is asked to cancel
-and confirm. A transfer nobody can vouch for becomes `KVAbandoned`, and its task keeps asking
+Prefill reports its progress on a transfer (chunks computed, its place in the queue), and the
+wait is for silence: a transfer is given up on only when prefill said nothing of it for
+`transfer_timeout` seconds, never for taking long. A transfer given up on unanswered, or whose
+request ended (the client left, the request failed), is cancelled on prefill, which drops its
+queued or running work. A failure prefill calls deterministic (`refused`: the request as it is
+can never be served) is reported as such (`KVFailed.retry` False) and not retried.
+
+The core learns a transfer failed only once no byte of it can still land (a fence): prefill's
+confirmation of a cancel; the TCP engine fences by itself; otherwise prefill's answer is the
+fence. A transfer nobody can vouch for becomes `KVAbandoned`, and its task keeps asking
 prefill until it confirms, then reports `KVFailed`, which frees the pages.
 """
 
@@ -53,6 +60,8 @@ class Transfers:
         transfer_timeout: float,
         fence_timeout: float,
     ) -> None:
+        """`transfer_timeout`: how long prefill may say nothing of a transfer (neither progress
+        nor its answer) before it is given up on; never a bound on how long prefill takes."""
         self.feed, self.live, self.link, self.engine = feed, live, link, engine
         self.l1, self.moved = l1, moved
         self.page = page_size
@@ -62,6 +71,10 @@ class Transfers:
         self.transfer_timeout = transfer_timeout
         self.fence_timeout = fence_timeout
         self.abandoned = 0  # transfers given up on without a fence (their requests failed)
+        self.cancels = 0  # transfers prefill confirmed it cancelled (given up on unanswered)
+        self.progress_notes = 0  # progress messages heard from prefill
+        self._ongoing: dict[str, dict[int, trio.CancelScope]] = {}  # request -> its transfers' waits
+        self._ended: set[int] = set()  # transfers stopped because their request ended
 
     async def request_kv(self, c: cmd.RequestKV) -> None:
         live = self.live[c.req]
@@ -84,9 +97,21 @@ class Transfers:
             "start": c.start,
             "end": end,
             "dst": dst,
+            "progress": True,  # prefill tells how it goes: the wait below is for silence
         }
         reply: dict[str, Any] = {}
-        with trio.move_on_after(self.transfer_timeout) as scope:
+        silence = self.transfer_timeout
+        # The deadline is for silence: every word from prefill about this transfer moves it on.
+        scope = trio.CancelScope(deadline=trio.current_time() + silence)
+
+        def heard(note: dict[str, Any]) -> None:
+            self.progress_notes += 1
+            scope.deadline = trio.current_time() + silence
+
+        link.follow(c.transfer, heard)
+        ongoing = self._ongoing.setdefault(c.req, {})
+        ongoing[c.transfer] = scope
+        with scope:
             try:
                 gen = await link.send(c.transfer, msg)
                 reply = await receive.receive()
@@ -95,12 +120,20 @@ class Transfers:
                 reason = await fault.answered(lambda: link.cut(gen))
             except CONTROL_ERRORS as exc:
                 reason = f"prefill connection lost: {exc or type(exc).__name__}"
+        ongoing.pop(c.transfer, None)
+        if not ongoing:
+            self._ongoing.pop(c.req, None)
         link.forget(c.transfer)
         link.arrivals.pop(c.transfer, None)
-        if scope.cancelled_caught:
-            reason = f"no KV from prefill within {self.transfer_timeout} s"
+        retry = True
+        if c.transfer in self._ended:
+            self._ended.discard(c.transfer)
+            reason = "its request ended"
+        elif scope.cancelled_caught:
+            reason = f"prefill said nothing of it for {silence:g} s"
         elif not reason and not reply.get("ok"):
             reason = str(reply.get("reason", "prefill failed"))
+            retry = reply.get("refused") is not True  # refused as it is: asking again fails again
         elif not reason and end < c.end:
             reason = f"prefill sent {len(dst)} of {len(c.dst_slots)} pages (injected)"
         if not reason and reply.get("ok"):
@@ -118,7 +151,7 @@ class Transfers:
             await self._settle_abandoned(c.transfer, c.req, arrived)
             return
         if reason:
-            self.feed.put(ev.KVFailed(self.feed.now(), c.req, c.transfer, reason))
+            self.feed.put(ev.KVFailed(self.feed.now(), c.req, c.transfer, reason, retry))
             return
         self.moved["transfer_bytes"] += len(dst) * self.l1.layout.page_bytes
         if live.prefill_cached is None:  # the request's first prefill, not a fallback's
@@ -129,15 +162,26 @@ class Transfers:
             live.add_token(int(reply["first_token"]))
         self.feed.put(ev.KVArrived(self.feed.now(), c.req, c.transfer))
 
+    def request_ended(self, req: str) -> None:
+        """Request `req` ended (answered, failed or aborted): stop waiting for its transfers,
+        which are then cancelled on prefill too, so prefill drops their queued or running work."""
+        for tid, scope in self._ongoing.pop(req, {}).items():
+            self._ended.add(tid)
+            scope.cancel()
+
     async def _fence(self, tid: int, *, answered: bool) -> bool:
         """Make sure no more bytes of transfer `tid` land in L1; False if that cannot be shown.
 
-        The engine fences by itself where it reads every byte (TCP). Otherwise prefill's answer
-        is the fence, since it answers only once its WRITE settled; without one, prefill is asked
-        to cancel the transfer and confirm."""
+        Unanswered, the transfer may still be queued or computing on prefill: prefill is asked
+        to cancel it (dropping that work) and confirm, which fences it. Otherwise the engine
+        fences by itself where it reads every byte (TCP), or prefill's answer is the fence,
+        since it answers only once its WRITE settled."""
+        if not answered and await self.link.cancel(tid, self.fence_timeout):
+            self.cancels += 1
+            return True
         if await self.engine.fence(f"kv:{tid}".encode()):
             return True
-        return answered or await self.link.cancel(tid, self.fence_timeout)
+        return answered
 
     async def _settle_abandoned(self, tid: int, req: str, arrived: trio.Event) -> None:
         """Keep asking prefill to settle an abandoned transfer; its pages are freed once it has

@@ -122,6 +122,35 @@ class CacheStats:
     uncached: int = 0  # prompts computed without the cache: too large for L1, or no room in it
 
 
+@attrs.define(eq=False)
+class CachedWork:
+    """An open prompt of the cache: its plan (the L1 pages it holds), the page table it computes
+    in (`run`: a scratch page in place of a cached last page) and the one its pages are sent
+    from (`table`), and how far it is computed (`done`, from `start`)."""
+
+    plan: PrefillPlan
+    ids: np.ndarray
+    table: list[int]
+    run: list[int]
+    start: int
+    l1: int
+    l2: int
+    l3: int
+    done: int = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self.done = self.start
+
+    def sent_pages(self, first: int, last: int) -> torch.Tensor:
+        return torch.tensor(self.table[first:last], dtype=torch.int64)
+
+    def tail(self, last: int) -> int:
+        """Tokens of the prompt on page `last - 1` when it is the prompt's partial last page, else 0."""
+        page = self.plan.page_size
+        n = len(self.ids)
+        return n % page if last == -(-n // page) else 0
+
+
 class PrefillCache:
     """L1 (and optionally L2) pages of KV this node computed or read, under the core's tree."""
 
@@ -162,33 +191,46 @@ class PrefillCache:
         last_page: int,
         stream: LayerGroups | None = None,
     ) -> Prefilled:
-        """The prompt's pages [first_page, last_page) and last logits, reusing what is cached.
-        With `stream`, each layer group of those pages is handed to it (from the compute
-        thread) as soon as prefill has stored it; a prompt computed without the cache is not
-        streamed (`stream.sent` stays 0)."""
+        """The prompt's pages [first_page, last_page) and last logits, reusing what is cached,
+        computed in one forward. With `stream`, each layer group of those pages is handed to it
+        (from the compute thread) as soon as prefill has stored it; a prompt computed without
+        the cache is not streamed (`stream.sent` stays 0). (The prefill node computes in
+        chunks instead: `open`, then `forward` per chunk, then `close`.)"""
         ids = np.asarray(tokens, dtype=np.int64)
-        page = self.layout.page_size
-        if self.planner.fits(len(ids), WORK_PAGES):
-            keys = page_keys(ids, page, namespace).tolist()
-            async with self._lock:
-                done = await self._prefill(ids, keys, namespace, first_page, last_page, stream)
-            if done is not None:
-                return done
-        # Too large for L1, or L1 is held by nothing this node may evict: no cache for it.
+        work = await self.open(ids, namespace)
+        if work is None:
+            return await self.compute_uncached(ids, first_page, last_page)
+        try:
+            on_layer = None
+            if stream is not None and last_page > first_page:
+                on_layer = stream.hook(
+                    self.l1.data, work.sent_pages(first_page, last_page), work.tail(last_page)
+                )
+            logits = await self.forward(work, work.start, len(ids), on_layer)
+            return self.close(work, logits, first_page, last_page)
+        finally:
+            self.drop(work)
+
+    async def compute_uncached(self, ids: np.ndarray, first: int, last: int) -> Prefilled:
+        """A prompt computed from scratch, outside the cache (too large for L1, or no room)."""
         self.stats.uncached += 1
         self.stats.computed += len(ids)
-        return await compute_all(self.model, ids, page, first_page, last_page, self._limiter, self.speeds)
+        return await compute_all(
+            self.model, ids, self.layout.page_size, first, last, self._limiter, self.speeds
+        )
 
-    async def _prefill(
-        self,
-        ids: np.ndarray,
-        keys: list[int],
-        namespace: int,
-        first: int,
-        last: int,
-        stream: LayerGroups | None = None,
-    ) -> Prefilled | None:
-        """Match, restore, compute the rest into L1 and insert; None when L1 has no room."""
+    async def open(self, ids: np.ndarray, namespace: int) -> CachedWork | None:
+        """Match the prompt, restore its cached prefix into L1 and reserve L1 pages for the
+        rest: the prompt then computes positions [`start`, len) in any number of `forward`s
+        and ends with `close` (its pages enter the tree) or `drop`. None: too large for L1, or
+        L1 is held by nothing this node may evict."""
+        if not self.planner.fits(len(ids), WORK_PAGES):
+            return None
+        keys = page_keys(ids, self.layout.page_size, namespace).tolist()
+        async with self._lock:  # match, reserve and restore as one: one prompt at a time
+            return await self._open(ids, keys)
+
+    async def _open(self, ids: np.ndarray, keys: list[int]) -> CachedWork | None:
         planner, page, n = self.planner, self.layout.page_size, len(ids)
         total = -(-n // page)
         plan = planner.match(keys, n, ("prefill", next(self._owners)), time.monotonic())
@@ -196,6 +238,7 @@ class PrefillCache:
         try:
             l3 = await self._l3_pages(plan)
             if planner.reserve(plan, WORK_PAGES) is None:
+                planner.finish(plan, time.monotonic(), insert=False)
                 return None
             table = plan.table()[:total]  # the last reserved slot is past it: the scratch page
             if h:  # L2 -> L1: the tree takes these slots back on insert
@@ -203,36 +246,68 @@ class PrefillCache:
                 src = torch.tensor(plan.host_slots, dtype=torch.int64)
                 self.l1.data[torch.tensor(table[d : d + h], dtype=torch.int64)] = self.l2.data[src]
             read = await self._read_l3(keys[d + h : d + h + l3], table[d + h : d + h + l3]) if l3 else 0
-            cached = d + h + read  # leading pages whose KV is here
-            start = plan.cached_tokens(cached)
-            run = list(table)
-            if cached * page > start:
-                # The last token is computed on a scratch copy of its page: tree pages stay as
-                # they were computed (and as the decode nodes that hold them got them).
-                scratch = plan.table()[-1]
-                self.l1.data[scratch] = self.l1.data[table[cached - 1]]
-                run[cached - 1] = scratch
-            on_layer = None
-            if stream is not None and last > first:
-                sent = torch.tensor(table[first:last], dtype=torch.int64)
-                tail = n % page if last == total else 0  # past the prompt: zero, as below
-                on_layer = stream.hook(self.l1.data, sent, tail)
-            logits = await self._forward_paged(run, start, ids[start:], on_layer)
-            l1, l2, l3_tokens = attribute(start, d * page, h * page, read * page)
-            self.stats.computed += n - start
-            self.stats.l1 += l1
-            self.stats.l2 += l2
-            self.stats.l3 += l3_tokens
-            pages = self.l1.data[torch.tensor(table[first:last], dtype=torch.int64)]  # a copy
-            if n % page and last == total and last > first:
-                # Past the prompt, a reused slot holds whatever it held (another prompt's KV,
-                # maybe another tenant's): what is sent is zero there, as computing gives.
-                pages[-1, :, :, n % page :] = 0
-            planner.restored(plan)  # its pages are back on L1: L2 may make room again
-            planner.finish(plan, time.monotonic())
-            return Prefilled(pages, logits, l1, l2, l3_tokens)
-        finally:
-            planner.finish(plan, time.monotonic(), insert=False)  # on the way out of a failure
+        except BaseException:
+            planner.finish(plan, time.monotonic(), insert=False)
+            raise
+        planner.restored(plan)  # its pages are back on L1: L2 may make room again
+        cached = d + h + read  # leading pages whose KV is here
+        start = plan.cached_tokens(cached)
+        run = list(table)
+        if cached * page > start:
+            # The last token is computed on a scratch copy of its page: tree pages stay as
+            # they were computed (and as the decode nodes that hold them got them).
+            scratch = plan.table()[-1]
+            self.l1.data[scratch] = self.l1.data[table[cached - 1]]
+            run[cached - 1] = scratch
+        l1, l2, l3_tokens = attribute(start, d * page, h * page, read * page)
+        return CachedWork(plan, ids, table, run, start, l1, l2, l3_tokens)
+
+    async def forward(
+        self, work: CachedWork, lo: int, hi: int, on_layer: Callable[[int], None] | None = None
+    ) -> torch.Tensor:
+        """Compute positions [lo, hi) of an open prompt into its L1 pages; the last one's logits."""
+        return await trio.to_thread.run_sync(self.forward_sync, work, lo, hi, on_layer, limiter=self._limiter)
+
+    def forward_sync(
+        self, work: CachedWork, lo: int, hi: int, on_layer: Callable[[int], None] | None = None
+    ) -> torch.Tensor:
+        """`forward` on the calling thread (the prefill node's step runs its chunks in one)."""
+        began = time.perf_counter()
+        logits = self.model.prefill_into(self.l1.data, work.run, lo, work.ids[lo:hi].tolist(), on_layer)
+        self.speeds.saw_compute(hi - lo, time.perf_counter() - began)
+        work.done = hi
+        return logits
+
+    def pages(self, work: CachedWork, first: int, last: int) -> torch.Tensor:
+        """A copy of the prompt's pages [first, last), zero past the prompt on its last page."""
+        pages = self.l1.data[work.sent_pages(first, last)]  # a copy
+        tail = work.tail(last)
+        if tail and last > first:
+            # Past the prompt, a reused slot holds whatever it held (another prompt's KV,
+            # maybe another tenant's): what is sent is zero there, as computing gives.
+            pages[-1, :, :, tail:] = 0
+        return pages
+
+    def close(self, work: CachedWork, logits: torch.Tensor, first: int, last: int) -> Prefilled:
+        """A fully computed prompt: its pages [first, last) (a copy, taken before the tree may
+        evict them), then its pages enter the tree."""
+        pages = self.pages(work, first, last)
+        n = len(work.ids)
+        self.stats.computed += n - work.start
+        self.stats.l1 += work.l1
+        self.stats.l2 += work.l2
+        self.stats.l3 += work.l3
+        self.planner.finish(work.plan, time.monotonic())
+        return Prefilled(pages, logits, work.l1, work.l2, work.l3)
+
+    def drop(self, work: CachedWork) -> None:
+        """Let a prompt go that did not `close` (cancelled or failed): the full pages it did
+        compute still enter the tree, so a retry of it resumes from there; the rest is freed.
+        Nothing may compute into its pages any more. Calling it after `close` does nothing."""
+        if work.plan.done:
+            return
+        computed = max(work.done // self.layout.page_size, work.plan.device_pages)
+        self.planner.finish(work.plan, time.monotonic(), insert=computed > 0, pages=computed)
 
     def _copy_backup(self, c: Backup) -> bool:
         """A write-through backup, L1 -> L2, done now (a copy within host memory)."""
@@ -276,16 +351,6 @@ class PrefillCache:
             self.stats.l3_short_reads += 1
         self.speeds.saw_read(got * self.layout.page_bytes, time.perf_counter() - began)
         return got
-
-    async def _forward_paged(
-        self, table: list[int], start: int, ids: np.ndarray, on_layer: Callable[[int], None] | None = None
-    ) -> torch.Tensor:
-        began = time.perf_counter()
-        logits = await trio.to_thread.run_sync(
-            self.model.prefill_into, self.l1.data, table, start, ids.tolist(), on_layer, limiter=self._limiter
-        )
-        self.speeds.saw_compute(len(ids), time.perf_counter() - began)
-        return logits
 
     def check(self) -> None:
         """The tree's invariants, and that no slot is left to a finished prompt."""

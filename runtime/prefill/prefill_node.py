@@ -5,13 +5,20 @@ A decode node connects, proves that it holds the cluster secret (`runtime/securi
 prefill node proves it too), says hello with its engine's `local_info()`, then sends
 `kv` requests: tokens, the range [start, end) it lacks, and the L1 pages to write them to. The
 prefill node computes the KV its own cache (`prefill_cache`: L1, L2, and the shared L3) does
-not hold, stages the pages, posts one WRITE with the notification `kv:<transfer>`, and answers
-with the first output token, the digests of the pages it sent, and how many prompt tokens it
-had cached (`cached`: per tier).
+not hold, in chunks that its scheduler interleaves with other prompts' (`prefill_steps`,
+`hicache.core.prefill_sched`), stages the pages as chunks complete them and WRITEs them
+(`kv_out`), the notification `kv:<transfer>` on the last, and answers with the first output
+token, the digests of the pages it sent, and how many prompt tokens it had cached (`cached`:
+per tier). A `kv` with `progress: true` also hears, after every step, `progress` messages
+(`done` of `total` tokens computed, or `queued` prompts ahead of it), so the decode node waits
+for prefill's silence, not for its slowness. A request this node can never serve as it is (more
+staging pages than it has, a bad field) is answered `ok: false, refused: true` with the reason:
+asking again would fail again.
 
 A decode node that gives up on a transfer sends `cancel` (on any of its connections): the
-transfer is cancelled, its WRITE settled (`TransferEngine.settle`: nothing more of it moves),
-and only then is `cancelled` answered, so the decode node may reuse the pages. Every reply, a
+transfer is cancelled (leaving the queue, or getting no further chunk), its WRITE settled
+(`TransferEngine.settle`: nothing more of it moves), and only then is `cancelled` answered, so
+the decode node may reuse the pages. Every reply, a
 failure included, is likewise sent only after its WRITE settled. A request cancelled before
 it arrived is refused when it does. When a control connection ends, the transfers it asked for
 are cancelled the same way: their decode node stopped waiting for them.
@@ -27,68 +34,42 @@ frame or an idle connection may take (`runtime/security/limits.py`).
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections import deque
-from collections.abc import Sequence
 
 import attrs
 import numpy as np
-import torch
 import trio
 
-from hicache.runtime.kv.kv_digest import page_digests
+from hicache.core.prefill_sched import PrefillScheduler, Refused
 from hicache.runtime.kv.kv_layout import KVLayout
 from hicache.runtime.kv.kv_pool import KVPool
 from hicache.runtime.model.llama import LlamaModel
 from hicache.runtime.model.sampling import sample
-from hicache.runtime.prefill.prefill_cache import (
-    DEFAULT_CACHE_BYTES,
-    LayerGroups,
-    PrefillCache,
-    Prefilled,
-    Speeds,
-    compute_all,
-)
+from hicache.runtime.prefill.kv_out import KVOut
+from hicache.runtime.prefill.prefill_cache import DEFAULT_CACHE_BYTES, PrefillCache, Speeds
+from hicache.runtime.prefill.prefill_steps import Prompt, Stepper
 from hicache.runtime.security import peer_auth
 from hicache.runtime.security.cluster_secret import ClusterSecret
 from hicache.runtime.security.limits import Gate, Limits, peer_name
 from hicache.runtime.storage.base import StorageBackend
 from hicache.runtime.tp.tp_kv import head_parts, heads_field
-from hicache.runtime.transfer.base import MemoryRegion, Span, TransferEngine, XferHandle, XferState
+from hicache.runtime.transfer.base import TransferEngine
 from hicache.runtime.wire import compat, protocol
 from hicache.runtime.wire.sampling_fields import Sampling
-
-
-class _PageAllocator:
-    """Staging pages handed out per transfer; a transfer waits until enough are free."""
-
-    def __init__(self, n: int) -> None:
-        self.free = list(range(n - 1, -1, -1))
-        self.capacity = n
-        self.changed = trio.Condition()
-
-    async def take(self, n: int) -> list[int]:
-        if n > self.capacity:
-            raise ValueError(f"a transfer of {n} pages exceeds the staging pool of {self.capacity}")
-        async with self.changed:
-            while len(self.free) < n:
-                await self.changed.wait()
-            out = self.free[-n:] if n else []
-            del self.free[len(self.free) - n :]
-            return out
-
-    async def give(self, pages: list[int]) -> None:
-        async with self.changed:
-            self.free.extend(pages)
-            self.changed.notify_all()
-
 
 log = logging.getLogger("hicache.runtime.prefill")
 
 # Layer groups a transfer leaves in while prefill computes them (0: once prefill is done).
 DEFAULT_LAYER_GROUPS = 4
-SETTLE_TIMEOUT_S = 30.0  # how long a reply waits for its WRITE to settle before giving up on it
+# Tokens of one prompt's chunk (SGLang's --chunked-prefill-size) and of one step's chunks together
+# (--max-prefill-tokens). Sized for a 2-core CPU: a 512-token chunk of the default model takes
+# 1.6 s at the start of a prompt and 5 s at 6,000 tokens of context (load 4), so a short prompt
+# arriving behind a long one waits a few seconds, not the whole long prompt.
+DEFAULT_CHUNK_TOKENS = 512
+DEFAULT_STEP_TOKENS = 1024
 CANCELLED_MEMORY = 4096  # cancels of transfers not yet seen, remembered per node
 
 
@@ -116,20 +97,23 @@ class PrefillNode:
         limits: Limits | None = None,
         secret: ClusterSecret | None = None,
         layer_groups: int = DEFAULT_LAYER_GROUPS,
+        chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+        step_tokens: int = DEFAULT_STEP_TOKENS,
     ) -> None:
         """`limits` bound what the decode nodes (any peer) connected to this node may hold;
         `secret` (default: `ClusterSecret.load()`) is what each of them must prove it holds.
         `cache_bytes` of KV (L1; 0: no cache), `cache_host_bytes` more behind it (L2), and L3
         (`store`, the decode nodes' shared store) make the prefill cache (`prefill_cache`).
         `layer_groups` > 0: KV leaves in that many layer groups while prefill computes them
-        (a span WRITE each, the notification with the last); 0: once prefill is done."""
+        (a span WRITE each, the notification with the last); 0: once prefill is done.
+        Prompts compute in chunks of at most `chunk_tokens` (whole pages), `step_tokens` in a
+        step (`hicache.core.prefill_sched`)."""
         self.model = model
         self.layout = layout
         self.engine = engine
         self.staging = KVPool(layout, staging_pages, name="prefill-staging")
         self.region = engine.register("staging", self.staging.bytes_view())
         self._parts = head_parts(self.staging, engine)  # TP: pages of 1/d of the heads
-        self.pages = _PageAllocator(staging_pages)
         self.transfer_timeout = transfer_timeout
         if layer_groups < 0:
             raise ValueError(f"layer_groups: expected >= 0, got {layer_groups}")
@@ -153,6 +137,16 @@ class PrefillNode:
             if l1_pages > 0
             else None
         )
+        chunk_tokens = min(chunk_tokens, step_tokens)  # as SGLang: a step's budget bounds a chunk too
+        if chunk_tokens < layout.page_size:
+            raise ValueError(
+                f"chunk_tokens and step_tokens: expected at least a page ({layout.page_size}), "
+                f"got {chunk_tokens}"
+            )
+        sched = PrefillScheduler(staging_pages, layout.page_size, chunk_tokens, step_tokens)
+        self.steps = Stepper(
+            model, layout.page_size, layout.layers, sched, self.cache, self._compute, layer_groups
+        )
         self.reused_tokens = 0  # prompt tokens whose KV came from the cache (L1, L2 or L3)
         self.computed_tokens = 0
         self.requests = 0  # prompts that computed more than their last token
@@ -163,8 +157,16 @@ class PrefillNode:
     async def serve(
         self, port: int, *, host: str = "127.0.0.1", task_status=trio.TASK_STATUS_IGNORED
     ) -> None:
-        """Accept decode nodes' control connections on `port` until cancelled."""
-        await trio.serve_tcp(self._connection, port, host=host, task_status=task_status)
+        """Accept decode nodes' control connections on `port`, and compute what they ask, until
+        cancelled."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.steps.run)
+            serve = functools.partial(trio.serve_tcp, self._connection, port, host=host)
+            task_status.started(await nursery.start(serve))
+
+    @property
+    def sched(self) -> PrefillScheduler:
+        return self.steps.sched
 
     async def _connection(self, stream: trio.SocketStream) -> None:
         """Serve one decode node's control connection. Whatever it sends ends at most this
@@ -341,138 +343,70 @@ class PrefillNode:
                     f"{self.gate.limits.max_tokens} (--max-tokens)"
                 )
             if not (tokens and 0 <= start <= end <= len(tokens) and start % page == 0):
-                raise ValueError(f"bad range [{start}, {end}) of a {len(tokens)}-token prompt")
+                raise protocol.MessageError(f"bad range [{start}, {end}) of a {len(tokens)}-token prompt")
             first_page, last_page = start // page, math.ceil(end / page)
             if len(dst) != last_page - first_page:
-                raise ValueError(f"{len(dst)} destination pages for pages {first_page}..{last_page - 1}")
+                raise protocol.MessageError(
+                    f"{len(dst)} destination pages for pages {first_page}..{last_page - 1}"
+                )
             sampling = Sampling.from_wire(msg.get("sampling"), self.model.config.vocab, "kv")
             heads = heads_field(msg, self.layout.kv_heads)
-            notif = f"kv:{tid}".encode()
-            done, digests = await self._prefill_and_send(
-                tokens, namespace, first_page, last_page, peer, dst, notif, heads
-            )
+            tell = None
+            if msg.get("progress") is True:  # the decode node follows progress, not a fixed wait
+
+                async def tell(note: dict) -> None:
+                    await self._answer(stream, lock, peer, {"op": "progress", "tid": tid, **note})
+
+            prompt = Prompt(f"{peer}/{tid}", np.asarray(tokens, dtype=np.int64), first_page, last_page)
+            make_out = functools.partial(self._kv_out, peer, dst, f"kv:{tid}".encode(), heads)
+            done, digests = await self.steps.compute(prompt, namespace, make_out, tell)
+            computed = len(tokens) - done.cached
+            self.computed_tokens += computed
+            self.reused_tokens += done.cached
+            self.requests += computed > 1
+            self.streamed += prompt.out is not None and prompt.out.during_compute > 0
             # The first token is drawn here as the decode node draws the rest; a message without
             # a seed (the decode node always sends one) draws from seed 0.
             (first_token,) = sample(done.logits[None, :], [sampling], [len(tokens)], request_keys=[0])
             cached = {"l1": done.l1, "l2": done.l2, "l3": done.l3}
             reply.update(ok=True, first_token=first_token, digests=digests, cached=cached)
-        except protocol.MessageError as exc:  # a bad field: the reason names it
-            reply.update(ok=False, reason=str(exc))
-        except Exception as exc:  # answered, not raised: the decode node falls back or fails the request
-            reply.update(ok=False, reason=f"{type(exc).__name__}: {protocol.clip(str(exc))}")
+        except (protocol.MessageError, Refused) as exc:  # the same message is refused again: no retry
+            reply.update(ok=False, refused=True, reason=str(exc))
+        except Exception as exc:  # answered, not raised: the decode node retries or fails the request
+            reply.update(ok=False, reason=plain(exc))
         if not reply.get("ok"):
             log.warning("kv %s from %s failed: %s", protocol.show(tid), protocol.show(peer), reply["reason"])
         await self._answer(stream, lock, peer, reply)
 
-    async def _kv(
-        self, tokens: Sequence[int], namespace: int, first: int, last: int, stream: LayerGroups | None = None
-    ) -> Prefilled:
-        """The prompt's pages [first, last) and last logits, computing only what the cache
-        (`prefill_cache`) does not hold. The cache is keyed by the namespace (model and tenant,
-        `namespace_seed`): a tenant never reuses another tenant's work, so it is no timing
-        channel between tenants."""
-        ids = np.asarray(tokens, dtype=np.int64)
-        if self.cache is None:
-            done = await compute_all(self.model, ids, self.layout.page_size, first, last, self._compute)
-        else:
-            done = await self.cache.prefill(ids, namespace, first, last, stream)
-        computed = len(ids) - done.cached
-        self.computed_tokens += computed
-        self.reused_tokens += done.cached
-        self.requests += computed > 1
-        return done
-
-    async def _prefill_and_send(
-        self,
-        tokens: Sequence[int],
-        namespace: int,
-        first: int,
-        last: int,
-        peer: str,
-        dst: list[int],
-        notif: bytes,
-        heads: tuple[int, int] | None = None,
-    ) -> tuple[Prefilled, list[str]]:
-        """Prefill the prompt and WRITE pages [first, last) into `dst` at `peer`: layer group by
-        layer group while prefill computes them (`layer_groups`), else once it is done. Each
-        WRITE is posted once the one before is done, and the notification rides on the last,
-        so the decode node hears of the transfer only when every byte is there. With `heads`
-        (a TP rank's [lo, hi)), only those heads of each page, staged as the first part of a
-        staging page. Returns the prefill and the digests of the pages sent. Every WRITE has
-        settled (nothing of it moves) when this returns or raises, so staging pages and the
-        decode node's pages are free."""
+    def _kv_out(
+        self, peer: str, dst: list[int], notif: bytes, heads: tuple[int, int] | None, slots: list[int]
+    ) -> KVOut:
+        """The way out of a transfer into `dst` at `peer`, staged in `slots`: with `heads` (a TP
+        rank's [lo, hi)), only those heads of each page, staged as the first part of a staging
+        page."""
         region, staging, per, part = self.region, self.staging.data, 1, slice(None)
         if heads is not None:
             per = self.layout.kv_heads // (heads[1] - heads[0])
             region, staging = self._parts[per]
             part = slice(heads[0], heads[1])
-        slots = await self.pages.take(len(dst))
-        parts = [s * per for s in slots]  # staging page s holds parts s*per .. s*per+per-1
-        idx = torch.tensor(parts, dtype=torch.int64)
-        layers = self.layout.layers
-        ready_send, ready = trio.open_memory_channel[tuple[int, int]](math.inf)
-        token = trio.lowlevel.current_trio_token()
+        return KVOut(
+            self.engine,
+            region,
+            staging,
+            per,
+            part,
+            slots,
+            peer,
+            dst,
+            notif,
+            self.layout.layers,
+            self.transfer_timeout,
+        )
 
-        def deliver(lo: int, hi: int, pages: torch.Tensor) -> None:  # on the compute thread
-            staging[idx, lo:hi] = pages[:, :, :, :, part].to(staging.dtype)
-            trio.from_thread.run_sync(ready_send.send_nowait, (lo, hi), trio_token=token)
 
-        stream = None
-        if self.layer_groups and slots and self.cache is not None:
-            stream = LayerGroups(layers, self.layer_groups, deliver)
-        unsettled: list[XferHandle] = []
-        try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._ship, ready, region, parts, peer, dst, notif, unsettled)
-                with ready_send:
-                    done = await self._kv(tokens, namespace, first, last, stream)
-                    if stream is None or stream.sent == 0:  # not streamed: the pages at once
-                        if slots:
-                            staging[idx] = done.pages[:, :, :, :, part].to(staging.dtype)
-                        ready_send.send_nowait((0, layers))
-                    else:
-                        self.streamed += 1
-            return done, page_digests(staging[idx]) if slots else []
-        finally:
-            with trio.CancelScope(shield=True):
-                if await self._settle(unsettled, notif):  # else a WRITE may still read them
-                    await self.pages.give(slots)
-
-    async def _ship(
-        self,
-        ready: trio.MemoryReceiveChannel[tuple[int, int]],
-        region: MemoryRegion,
-        parts: list[int],
-        peer: str,
-        dst: list[int],
-        notif: bytes,
-        unsettled: list[XferHandle],
-    ) -> None:
-        """WRITE each layer group [lo, hi) of the staged pages (`parts` of `region`) as it
-        becomes ready, one at a time; the last carries the notification."""
-        layers = self.layout.layers
-        layer_bytes = region.page_bytes // layers
-        async with ready:
-            async for lo, hi in ready:
-                whole = (lo, hi) == (0, layers)
-                span = None if whole else Span(lo * layer_bytes, (hi - lo) * layer_bytes)
-                handle = await self.engine.post(
-                    "WRITE", region, parts, peer, "L1", dst, notif, span=span, final=hi == layers
-                )
-                unsettled.append(handle)
-                state = await self.engine.wait(handle, timeout=self.transfer_timeout)
-                if state is not XferState.DONE:
-                    raise RuntimeError(f"transfer {state}: {self.engine.reason(handle)}")
-
-    async def _settle(self, handles: list[XferHandle], notif: bytes) -> bool:
-        """Settle every WRITE posted (also when cancelled); False if one did not in time."""
-        settled = True
-        for handle in handles:
-            with trio.move_on_after(SETTLE_TIMEOUT_S) as waited:
-                await self.engine.settle(handle)
-            if waited.cancelled_caught:
-                settled = False
-                log.error(
-                    "%r did not settle in %s s; its staging pages stay out of use", notif, SETTLE_TIMEOUT_S
-                )
-        return settled
+def plain(exc: BaseException) -> str:
+    """One sentence for a failure, never a group's "... (1 sub-exception)": the first leaf
+    exception of a group, its type and message."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return f"{type(exc).__name__}: {protocol.clip(str(exc))}"

@@ -164,7 +164,7 @@ class Rounds:
         if isinstance(e, ev.KVArrived):
             return ("kv", e.transfer), ("arrived", e.req)
         if isinstance(e, ev.KVFailed):
-            return ("kv", e.transfer), ("failed", e.req, e.reason)
+            return ("kv", e.transfer), ("failed", e.req, e.reason, e.retry)
         if isinstance(e, ev.KVAbandoned):
             return ("kv", e.transfer), ("abandoned", e.req, e.reason)
         if isinstance(e, ev.BackupDone):
@@ -282,7 +282,8 @@ class Rounds:
                     del self._pending[key]
                     if failed:
                         r, o = failed[0]
-                        self.f.put_now(ev.KVFailed(self.now, req, tid, f"rank {r}: {o[2]}"))
+                        retry = all(x[3] for _, x in failed if len(x) > 3)  # refused by one: by all
+                        self.f.put_now(ev.KVFailed(self.now, req, tid, f"rank {r}: {o[2]}", retry))
                     else:
                         self.f.put_now(ev.KVArrived(self.now, req, tid))
                     continue
