@@ -14,20 +14,20 @@ for. An error is an exception out of the client or a stream that ends without `s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import openai
-import psutil
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_clients import hicache_serve  # noqa: E402
 
 SYSTEM = "You are a travel guide. Answer in two short sentences."
 QUESTIONS = [
@@ -105,13 +105,34 @@ def client_loop(url: str, index: int, until: float, turns: int, max_tokens: int,
         conversation += 1
 
 
-def rss_mb(pids: list[int]) -> dict[str, float]:
+@contextlib.contextmanager
+def hicache_serve(args: list[str], log: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """`hicache serve ARGS` with its stderr in `log`: (its pid, its ready line)."""
+    with log.open("w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "hicache", "serve", *args], stdout=subprocess.PIPE, stderr=err, text=True
+        )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        if not line:
+            raise SystemExit(f"hicache serve did not start: {log.read_text()[-2000:]}")
+        yield proc.pid, json.loads(line)
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+def rss_mb(pids: dict[str, int]) -> dict[str, float]:
+    """Each process's resident memory (VmRSS in /proc/PID/status), in MiB; 0 for one gone."""
     out = {}
-    for pid in pids:
+    for name, pid in pids.items():
         try:
-            out[str(pid)] = psutil.Process(pid).memory_info().rss / 2**20
-        except psutil.NoSuchProcess:
-            out[str(pid)] = 0.0
+            with open(f"/proc/{pid}/status") as f:
+                kb = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+        except (OSError, StopIteration):
+            kb = 0
+        out[name] = kb / 1024
     return out
 
 
@@ -127,10 +148,9 @@ def run(
 ) -> dict:
     with tempfile.TemporaryDirectory(prefix="hicache-load-") as tmp:
         log = Path(tmp) / "serve.log"
-        with hicache_serve([*serve_args, "--log-level", "warning"], log) as ready:
+        with hicache_serve([*serve_args, "--log-level", "warning"], log) as (serve_pid, ready):
             url = ready["url"]
-            serve_pid = next(p.pid for p in psutil.Process().children() if "serve" in " ".join(p.cmdline()))
-            pids = [serve_pid, *ready["pids"].values()]
+            pids = {"serve": serve_pid, **ready["pids"]}
             warm = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
             chat_turn(warm, [{"role": "user", "content": "Hello"}], 4, Tally())  # the model's first step
             tally = Tally()

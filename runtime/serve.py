@@ -196,7 +196,7 @@ async def serve(opts: ServeOptions, task_status: trio.TaskStatus[dict] = trio.TA
         try:
             decode_at, admin_key, prefill_at = await _start_nodes(opts, work, logs, supervisor, context)
             each = [NodeBackend(h, p, None, api_key=admin_key) for h, p in decode_at]  # type: ignore[arg-type]
-            limit, running = context, 0
+            limit, running, pool, reserve = context, 0, 0, 0
             for node in each:
                 try:
                     stats = await node.stats()
@@ -205,6 +205,8 @@ async def serve(opts: ServeOptions, task_status: trio.TaskStatus[dict] = trio.TA
                 # A request the node can never hold is the client's error (400), not the node's.
                 limit = min(limit, int(stats.get("max_prompt_tokens", limit)))
                 running += max(1, int(stats.get("max_running_requests", 1)))
+                pool += int(stats.get("max_total_tokens", 0))  # 0 (a node that does not say): not counted
+                reserve = max(reserve, int(stats.get("decode_reserve_tokens", 0)))
             info = ModelInfo(
                 name=name,
                 max_context_tokens=limit,
@@ -213,15 +215,14 @@ async def serve(opts: ServeOptions, task_status: trio.TaskStatus[dict] = trio.TA
             )
             for node in each:
                 node.info = info
-            for watched, node in zip(
-                [n for n in supervisor.nodes if n.args[0] == "decode"], each, strict=True
-            ):
+            started = [n for n in supervisor.nodes if n.args[0] == "decode"]  # none with --decode
+            for watched, node in zip(started, each if started else [], strict=True):
                 watched.on_restart = functools.partial(_moved, node)
             backend: NodeBackend | RoutedBackend = each[0]
             if len(each) > 1:
                 backend = RoutedBackend(each, Router(opts.router, len(each)))
             queued = running if opts.max_queued_requests is None else opts.max_queued_requests
-            admission = Admission(running, queued)
+            admission = Admission(running, queued, max_tokens=pool, reserve_tokens=reserve)
             recorder = await _recorder(opts, name, decode_at, admin_key, len(prefill_at) or None)
             app = create_app(
                 backend,
@@ -238,10 +239,12 @@ async def serve(opts: ServeOptions, task_status: trio.TaskStatus[dict] = trio.TA
                 port = await nursery.start(serve_http, app, opts.host, opts.port)
                 host = f"[{opts.host}]" if ":" in opts.host else opts.host
                 log.info(
-                    "serving %s: context %d tokens, %d requests at once, %d queued before a 503",
+                    "serving %s: context %d tokens; %d requests and %d tokens at once, %d queued "
+                    "before a 503",
                     name,
                     limit,
                     running,
+                    pool,
                     queued,
                 )
                 ready = {

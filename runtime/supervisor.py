@@ -165,7 +165,7 @@ async def check_attached(
 ) -> None:
     """Probe a node `hicache serve` did not start, every `interval_s`, forever; its health
     follows the answers (a probe that raises or takes over `CHECK_TIMEOUT_S` is a miss)."""
-    part = f"the {name} node"
+    part = f"the {name}"  # "the decode node at H:P"
     while True:
         try:
             with trio.fail_after(CHECK_TIMEOUT_S):

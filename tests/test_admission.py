@@ -32,57 +32,71 @@ GUARD_S = 20  # a guard against hangs, never a speed assertion
 
 
 class SlotsMachine(RuleBasedStateMachine):
-    """`Slots` against a plain model: FIFO, never more running or queued than allowed, and a
-    slot freed goes to the oldest waiter."""
+    """`Slots` against a plain model: FIFO, never more running, queued or tokens held than
+    allowed (a request alone always fits), and a freed slot goes to the oldest waiters that fit."""
 
-    @initialize(running=st.integers(1, 4), queued=st.integers(0, 4))
-    def start(self, running: int, queued: int) -> None:
-        self.slots = Slots(running, queued)
+    @initialize(running=st.integers(1, 4), queued=st.integers(0, 4), budget=st.sampled_from([0, 10, 25]))
+    def start(self, running: int, queued: int, budget: int) -> None:
+        self.slots = Slots(running, queued, budget)
         self.next = 0
-        self.model_running: list[int] = []
-        self.model_queue: list[int] = []
+        self.model_running: dict[int, int] = {}
+        self.model_queue: list[tuple[int, int]] = []
 
-    @rule()
-    def arrive(self) -> None:
+    def _fits(self, need: int) -> bool:
+        s = self.slots
+        if len(self.model_running) >= s.max_running:
+            return False
+        held = sum(self.model_running.values())
+        return not s.max_tokens or not self.model_running or held + need <= s.max_tokens
+
+    def _start_heads(self) -> list[int]:
+        started = []
+        while self.model_queue and self._fits(self.model_queue[0][1]):
+            ticket, need = self.model_queue.pop(0)
+            self.model_running[ticket] = need
+            started.append(ticket)
+        return started
+
+    @rule(need=st.integers(0, 30))
+    def arrive(self, need: int) -> None:
         ticket, self.next = self.next, self.next + 1
-        got = self.slots.arrive(ticket)
-        if len(self.model_running) < self.slots.max_running and not self.model_queue:
+        got = self.slots.arrive(ticket, need)
+        if not self.model_queue and self._fits(need):
             assert got == "run"
-            self.model_running.append(ticket)
+            self.model_running[ticket] = need
         elif len(self.model_queue) < self.slots.max_queued:
             assert got == "queued"
-            self.model_queue.append(ticket)
+            self.model_queue.append((ticket, need))
         else:
             assert got == "refused"
 
     @precondition(lambda self: self.model_running)
     @rule(data=st.data())
     def leave(self, data: st.DataObject) -> None:
-        ticket = data.draw(st.sampled_from(self.model_running))
-        self.model_running.remove(ticket)
-        handed = self.slots.leave()
-        if self.model_queue:
-            assert handed == self.model_queue.pop(0)  # the oldest waiter, never a later one
-            self.model_running.append(handed)
-        else:
-            assert handed is None
+        ticket = data.draw(st.sampled_from(sorted(self.model_running)))
+        del self.model_running[ticket]
+        assert self.slots.leave(ticket) == self._start_heads()  # the oldest waiters that fit, in order
 
     @precondition(lambda self: self.model_queue)
     @rule(data=st.data())
     def withdraw(self, data: st.DataObject) -> None:
-        ticket = data.draw(st.sampled_from(self.model_queue))
-        self.model_queue.remove(ticket)
-        assert self.slots.withdraw(ticket)
-        assert not self.slots.withdraw(ticket)  # a second time: it is not queued any more
+        ticket, need = data.draw(st.sampled_from(self.model_queue))
+        was_head = self.model_queue[0][0] == ticket
+        self.model_queue.remove((ticket, need))
+        expected = self._start_heads() if was_head else []
+        assert self.slots.withdraw(ticket) == expected
+        assert self.slots.withdraw(ticket) is None  # a second time: it is not queued any more
 
     @invariant()
     def bounded_and_consistent(self) -> None:
         if not hasattr(self, "slots"):
             return
         s = self.slots
-        assert s.running == len(self.model_running) <= s.max_running
+        assert s.held == self.model_running and s.running == len(self.model_running) <= s.max_running
+        assert s.tokens == sum(self.model_running.values())
+        assert not s.max_tokens or s.running <= 1 or s.tokens <= s.max_tokens
         assert list(s.queue) == self.model_queue and len(s.queue) <= s.max_queued
-        assert not s.queue or s.running == s.max_running  # nobody waits while a slot is free
+        assert not s.queue or not s.fits(s.queue[0][1])  # the head waits only while it does not fit
 
 
 TestSlots = SlotsMachine.TestCase
@@ -92,7 +106,7 @@ def test_slots_refuse_impossible_limits_and_a_leave_without_a_run() -> None:
     with pytest.raises(ValueError, match="max_running >= 1"):
         Slots(0, 3)
     with pytest.raises(ValueError, match="not running"):
-        Slots(1, 1).leave()
+        Slots(1, 1).leave(0)
 
 
 # ============================================================================ the trio driver
@@ -129,6 +143,18 @@ async def test_a_queued_request_gets_the_freed_slot_and_a_cancelled_one_leaves_t
             release.set()
     assert order == ["first", "second"]
     assert (admission.running, admission.queued) == (0, 0)
+
+
+async def test_a_request_waits_for_the_tokens_it_needs_and_one_alone_always_runs() -> None:
+    admission = Admission(max_running=4, max_queued=4, max_tokens=100, reserve_tokens=10)
+    assert admission.need(30, 500) == 40 and admission.need(30, 4) == 34
+    with trio.fail_after(GUARD_S):
+        async with admission.slot(150):  # over the budget, but alone: the node can hold it
+            assert admission.tokens == 150
+        async with admission.slot(60):
+            assert admission.slots.arrive(-1, 50) == "queued"  # 110 > 100: it waits its turn
+            assert admission.slots.withdraw(-1) == []
+    assert (admission.running, admission.tokens, admission.queued) == (0, 0, 0)
 
 
 async def _cancelled_waiter(admission: Admission, scope: trio.CancelScope) -> None:

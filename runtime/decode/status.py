@@ -69,6 +69,7 @@ class Status:
             # What a front door admits by: requests held at once, and L1 in tokens (SGLang's name).
             "max_running_requests": cfg.max_running_requests,
             "max_total_tokens": cfg.l1_pages * cfg.page_size,
+            "decode_reserve_tokens": cfg.decode_reserve_pages * cfg.page_size,
             **{key: self.moved[key] for key in MOVED},
         }
 

@@ -145,7 +145,9 @@ class Generation:
         until it ended there; a full queue raises `Overloaded` before anything started."""
         async with contextlib.AsyncExitStack() as held:
             if self._admission is not None:
-                self.queued_s = await held.enter_async_context(self._admission.slot())
+                req = self.job.request
+                need = self._admission.need(len(req.input_ids), req.max_new_tokens)
+                self.queued_s = await held.enter_async_context(self._admission.slot(need))
                 self._metrics.observe_queue_wait(self.queued_s)
             pieces = await held.enter_async_context(contextlib.aclosing(self._run()))
             async for piece in pieces:

@@ -63,6 +63,9 @@ class _AdmissionGauges:
         yield GaugeMetricFamily(
             "hicache_max_queued_requests", "Requests the front door queues before a 503", value=a.max_queued
         )
+        yield GaugeMetricFamily(
+            "hicache_admitted_tokens", "L1 tokens the requests at the decode nodes take", value=a.tokens
+        )
 
 
 class Metrics:
