@@ -209,6 +209,7 @@ async def _until_signal(cancel: trio.CancelScope) -> None:
 
 async def run_prefill(opts: PrefillOptions) -> None:
     secret = _secret(opts.secret_file)
+    await _check_listen(opts.host, opts.port)  # before the model loads
     engine = make_engine(opts.engine, f"prefill-{opts.engine}-{os.getpid()}", secret, opts.host)
     model, _ = build_model(opts.model)
     layout = layout_for(model.config, opts.page_size)
@@ -319,7 +320,19 @@ def _tp_group(opts: DecodeOptions, model: LlamaModel) -> TPGroup | None:
         raise StartupError(f"--tp-size {size}: cannot form the group's store ({exc})") from exc
 
 
+def _api_keys(path: Path | None) -> ApiKeys | None:
+    try:
+        return ApiKeys.load(path) if path is not None else None
+    except ApiKeyError as exc:
+        raise StartupError(f"--api-keys {exc}") from exc
+
+
 async def run_decode(opts: DecodeOptions) -> None:
+    # The files and the port first: a bad one is one line before the model loads, not after.
+    _secret(opts.secret_file)
+    _api_keys(opts.api_keys)
+    if opts.tp_rank == 0:
+        await _check_listen(opts.host, opts.port)
     model, model_name = build_model(opts.model)
     group = _tp_group(opts, model)
     try:
@@ -361,12 +374,7 @@ async def _run_decode(opts: DecodeOptions, model: LlamaModel, model_name: str, g
     if opts.faults is not None:
         FaultyStore.check(opts.faults, store)  # before anything starts: a bad spec exits with its reason
     secret = _secret(opts.secret_file)
-    try:
-        keys = ApiKeys.load(opts.api_keys) if opts.api_keys is not None else None
-    except ApiKeyError as exc:
-        raise StartupError(f"--api-keys {exc}") from exc
-    if rank == 0:
-        await _check_listen(opts.host, opts.port)
+    keys = _api_keys(opts.api_keys)  # checked before the model loaded (`run_decode`); read here
     # A restarted decode node must not reuse its predecessor's agent name: peers still know it.
     engine = make_engine(opts.engine, f"decode-{opts.engine}-{os.getpid()}", secret, opts.host)
     log_file = None

@@ -8,11 +8,20 @@ nothing); `--prefill HOST:PORT` starts only a decode node, attached to that pref
 The decode node started here gets an API-key file holding one admin key, which only this front
 door knows: clients reach the node through the front door, which authenticates them itself
 (`--api-keys`) and passes each client's tenant on. One JSON line on stdout says the front door is
-ready: `{"url": "http://HOST:PORT", "model": ..., "decode": ..., "prefill": ...}`.
+ready: `{"url": "http://HOST:PORT", "model": ..., "decode": ..., "prefill": ..., "pids": ...}`.
+
+Before any node loads the model, the flags and files are checked (`serve_checks.py`). A request
+may hold the model's context (`--context-length` overrides it), capped by what the decode
+nodes' L1 holds. At most as many requests as the decode nodes can hold run at once, and
+`--max-queued-requests` more wait here; the next one is a 503 with Retry-After
+(`serving/admission.py`). Every node started here is watched (`supervisor.py`): one that exits is
+logged with its status and stderr, /health answers 503 at once, and it is restarted (at most
+`--node-restarts` times in 10 minutes; past that serve stops the others and exits 1).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -29,20 +38,25 @@ from hicache.core.router import Router
 from hicache.runtime.launch import NodeFailed, NodeProcess, start_node
 from hicache.runtime.model.tokenizer import ChatTokenizer
 from hicache.runtime.security.api_keys import ApiKeys
+from hicache.runtime.serve_checks import ServeError
+from hicache.runtime.serving.admission import Admission
 from hicache.runtime.serving.app import create_app
 from hicache.runtime.serving.backend import ModelInfo
+from hicache.runtime.serving.health import Health
 from hicache.runtime.serving.node_backend import NodeBackend
 from hicache.runtime.serving.routed_backend import RoutedBackend
 from hicache.runtime.serving.server import serve_http
 from hicache.runtime.serving.trace_recorder import RecordingError, TraceRecorder, config_header
+from hicache.runtime.supervisor import Supervisor, check_attached, tcp_probe
 from hicache.runtime.wire import protocol
 from hicache.runtime.wire.client import DecodeClient
 
 log = logging.getLogger("hicache.runtime.serve")
 
-
-class ServeError(Exception):
-    """`hicache serve` could not start; one line naming the flag and the reason."""
+# How many times a decode node started here retries a transfer: enough, with the backoff capped
+# at 5 s (--transfer-backoff-max), to ride out a prefill node restarted here (its model loads
+# again: 7-12 s on a loaded 2-core machine) without losing the requests in flight.
+SUPERVISED_TRANSFER_RETRIES = 12
 
 
 @attrs.frozen
@@ -60,6 +74,11 @@ class ServeOptions:
     decode_api_key: str | None = None  # the key the front door uses at an attached decode node
     api_keys: Path | None = None  # the front door's clients
     max_tokens: int = 32768
+    context_length: int | None = None  # SGLang's --context-length; None: the model's own
+    max_queued_requests: int | None = None  # the front door's queue; None: as many as run at once
+    node_restarts: int = 3  # restarts of one node within `restart_window_s`; 0: a death ends serve
+    restart_window_s: float = 600.0
+    health_check_interval_s: float = 5.0  # how often attached nodes are checked
     log_dir: Path | None = None
     log_level: str = "info"
     extra_decode_args: tuple[str, ...] = ()  # passed on to the decode node started here
@@ -86,21 +105,67 @@ class Codec:
         return self.tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt)
 
 
-def load_tokenizer(model: str) -> tuple[ChatTokenizer, str]:
-    """The tokenizer (and chat template) of `model`, read without loading its weights."""
+@attrs.frozen
+class ModelSource:
+    """What the front door reads of a model without its weights: the tokenizer and chat
+    template, the name users call it by, and the context it was trained for (None if unsaid)."""
+
+    tokenizer: ChatTokenizer
+    name: str
+    context_length: int | None
+
+
+def load_model_source(model: str) -> ModelSource:
+    """The tokenizer and context length of `model`: `max_position_embeddings` of a Hugging Face
+    folder's config.json, or `<arch>.context_length` of a GGUF file (8192 for the default)."""
     from hicache.runtime.model.loader import default_model_path
 
     path = default_model_path() if model == "default" else Path(model)
     if path.is_dir():
-        return ChatTokenizer.from_dir(path), path.name
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+        return ModelSource(
+            ChatTokenizer.from_dir(path), path.name, _positive(config.get("max_position_embeddings"))
+        )
     import gguf
 
     from hicache.runtime.model.gguf_file import read_metadata
 
     meta = read_metadata(gguf.GGUFReader(path))
+    arch = meta.get("general.architecture")
     # The file's name without its quantisation ("SmolLM2-135M-Instruct.Q4_1.gguf"): what users
     # call the model, unlike GGUF's free-text general.name.
-    return ChatTokenizer.from_gguf_metadata(meta, source=str(path)), path.name.split(".")[0]
+    return ModelSource(
+        ChatTokenizer.from_gguf_metadata(meta, source=str(path)),
+        path.name.split(".")[0],
+        _positive(meta.get(f"{arch}.context_length")),
+    )
+
+
+def _positive(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def load_tokenizer(model: str) -> tuple[ChatTokenizer, str]:
+    """The tokenizer (and chat template) of `model`, read without loading its weights."""
+    source = load_model_source(model)
+    return source.tokenizer, source.name
+
+
+def context_limit(opts: ServeOptions, model_context: int | None) -> int:
+    """Tokens of one request, prompt and output: `--context-length` if given, else the model's
+    own, and never over `--max-tokens` (the pools' cap is applied once the nodes say theirs)."""
+    if opts.context_length is not None:
+        if model_context is not None and opts.context_length > model_context:
+            log.warning(
+                "--context-length %d is over the %d tokens the model was trained for; past them its "
+                "output degrades",
+                opts.context_length,
+                model_context,
+            )
+        limit = opts.context_length
+    else:
+        limit = model_context or opts.max_tokens
+    return min(limit, opts.max_tokens)
 
 
 def _node_args(opts: ServeOptions) -> list[str]:
@@ -113,28 +178,35 @@ def _node_args(opts: ServeOptions) -> list[str]:
 
 
 async def serve(opts: ServeOptions, task_status: trio.TaskStatus[dict] = trio.TASK_STATUS_IGNORED) -> None:
-    """Start what `opts` asks for and serve until cancelled; reports the ready line's dict."""
+    """Start what `opts` asks for and serve until cancelled; reports the ready line's dict.
+    Raises `NodeDied` when a node started here exits past its restarts."""
     try:
-        tokenizer, name = load_tokenizer(opts.model)
+        source = load_model_source(opts.model)
     except (OSError, ValueError) as exc:
         raise ServeError(f"--model {opts.model}: cannot read its tokenizer ({exc})") from exc
     keys = ApiKeys.load(opts.api_keys) if opts.api_keys is not None else None
-    nodes: list[NodeProcess] = []
+    context = context_limit(opts, source.context_length)
+    tokenizer, name = source.tokenizer, source.name
+    health = Health()
     with tempfile.TemporaryDirectory(prefix="hicache-serve-") as tmp:
         work = Path(tmp)
         logs = opts.log_dir or work / "logs"
+        supervisor = Supervisor(logs, health, max_restarts=opts.node_restarts, window_s=opts.restart_window_s)
         recorder: TraceRecorder | None = None
         try:
-            decode_at, admin_key, prefill_at = await _start_nodes(opts, work, logs, nodes)
+            decode_at, admin_key, prefill_at = await _start_nodes(opts, work, logs, supervisor, context)
             each = [NodeBackend(h, p, None, api_key=admin_key) for h, p in decode_at]  # type: ignore[arg-type]
-            limit = opts.max_tokens
+            limit, running, pool, reserve = context, 0, 0, 0
             for node in each:
                 try:
                     stats = await node.stats()
                 except (OSError, protocol.ProtocolError) as exc:
                     raise ServeError(f"the decode node at {node.host}:{node.port}: {exc}") from exc
                 # A request the node can never hold is the client's error (400), not the node's.
-                limit = min(limit, int(stats.get("max_prompt_tokens", opts.max_tokens)))
+                limit = min(limit, int(stats.get("max_prompt_tokens", limit)))
+                running += max(1, int(stats.get("max_running_requests", 1)))
+                pool += int(stats.get("max_total_tokens", 0))  # 0 (a node that does not say): not counted
+                reserve = max(reserve, int(stats.get("decode_reserve_tokens", 0)))
             info = ModelInfo(
                 name=name,
                 max_context_tokens=limit,
@@ -143,27 +215,77 @@ async def serve(opts: ServeOptions, task_status: trio.TaskStatus[dict] = trio.TA
             )
             for node in each:
                 node.info = info
+            started = [n for n in supervisor.nodes if n.args[0] == "decode"]  # none with --decode
+            for watched, node in zip(started, each if started else [], strict=True):
+                watched.on_restart = functools.partial(_moved, node)
             backend: NodeBackend | RoutedBackend = each[0]
             if len(each) > 1:
                 backend = RoutedBackend(each, Router(opts.router, len(each)))
+            queued = running if opts.max_queued_requests is None else opts.max_queued_requests
+            admission = Admission(running, queued, max_tokens=pool, reserve_tokens=reserve)
             recorder = await _recorder(opts, name, decode_at, admin_key, len(prefill_at) or None)
-            app = create_app(backend, Codec(tokenizer), model_name=name, api_keys=keys, recorder=recorder)
+            app = create_app(
+                backend,
+                Codec(tokenizer),
+                model_name=name,
+                api_keys=keys,
+                recorder=recorder,
+                admission=admission,
+                health=health,
+            )
             async with trio.open_nursery() as nursery:
+                nursery.start_soon(supervisor.run)
+                _check_attached(opts, nursery, health, each, prefill_at)
                 port = await nursery.start(serve_http, app, opts.host, opts.port)
                 host = f"[{opts.host}]" if ":" in opts.host else opts.host
+                log.info(
+                    "serving %s: context %d tokens; %d requests and %d tokens at once, %d queued "
+                    "before a 503",
+                    name,
+                    limit,
+                    running,
+                    pool,
+                    queued,
+                )
                 ready = {
                     "url": f"http://{host}:{port}",
                     "model": name,
                     "decode": ",".join(f"{h}:{p}" for h, p in decode_at),
                     "prefill": ",".join(f"{h}:{p}" for h, p in prefill_at) or None,
                     "router": opts.router if len(each) > 1 else None,
+                    "context_length": limit,
+                    "max_running_requests": running,
+                    "max_queued_requests": queued,
+                    "pids": {n.name: n.process.pid for n in supervisor.nodes},  # the nodes started here
                 }
                 task_status.started(ready)
         finally:
             if recorder is not None:
                 recorder.stop()
-            for node in reversed(nodes):
-                node.stop()
+            supervisor.stop_all()
+
+
+def _moved(backend: NodeBackend, process: NodeProcess) -> None:
+    backend.moved("127.0.0.1", process.port)
+
+
+def _check_attached(
+    opts: ServeOptions,
+    nursery: trio.Nursery,
+    health: Health,
+    each: list[NodeBackend],
+    prefill_at: list[tuple[str, int]],
+) -> None:
+    """Health checks of the nodes this front door did not start (`--decode`, `--prefill`)."""
+    every = opts.health_check_interval_s
+    if opts.decode:
+        for node in each:
+            name = f"decode node at {node.host}:{node.port}"
+            nursery.start_soon(check_attached, name, health, node.stats, every)
+    if opts.prefill:
+        for host, port in prefill_at:
+            probe = functools.partial(tcp_probe, host, port)
+            nursery.start_soon(check_attached, f"prefill node at {host}:{port}", health, probe, every)
 
 
 async def _recorder(
@@ -212,20 +334,27 @@ async def _node_config(host: str, port: int, key: str | None) -> dict | None:
 
 
 async def _start_nodes(
-    opts: ServeOptions, work: Path, logs: Path, nodes: list[NodeProcess]
+    opts: ServeOptions, work: Path, logs: Path, supervisor: Supervisor, context: int
 ) -> tuple[list[tuple[str, int]], str | None, list[tuple[str, int]]]:
-    """(the decode nodes' addresses, the admin key to use there, the prefill nodes' addresses)."""
+    """(the decode nodes' addresses, the admin key to use there, the prefill nodes' addresses).
+    Each node started here is handed to `supervisor` as soon as it is ready. A prefill node
+    started here writes its address to a file its decode nodes read at every reconnection
+    (`--prefill-file`), so that when it is restarted on another port, they find it."""
     if opts.decode:
         return list(opts.decode), opts.decode_api_key, []
     prefill_at = list(opts.prefill)
+    where = [f"{host}:{port}" for host, port in prefill_at]  # each decode node's --prefill or --prefill-file
     for i in range(0 if opts.prefill else opts.prefill_nodes):
         name = "prefill" if opts.prefill_nodes == 1 else f"prefill{i}"
+        address = work / f"{name}.address"
+        args = ["prefill", *_node_args(opts), "--address-file", str(address)]
         try:
-            prefill = await start_node(["prefill", *_node_args(opts)], logs, name)
+            prefill = await start_node(args, logs, name)
         except NodeFailed as exc:
             raise ServeError(f"the {name} node did not start: {exc.reason}") from exc
-        nodes.append(prefill)
+        supervisor.add(name, args, prefill)
         prefill_at.append(("127.0.0.1", prefill.port))
+        where.append(f"@{address}")
     admin_key = secrets.token_urlsafe(32)
     keys = work / "decode-keys.toml"
     keys.write_text(f'[[key]]\nkey = "{admin_key}"\nadmin = true\n')
@@ -233,15 +362,19 @@ async def _start_nodes(
     decode_at = []
     for i in range(opts.decode_nodes):
         name = "decode" if opts.decode_nodes == 1 else f"decode{i}"
-        host, port = prefill_at[i % len(prefill_at)]
-        args = ["decode", *_node_args(opts), "--prefill", f"{host}:{port}"]
-        args += ["--api-keys", str(keys), "--max-tokens", str(opts.max_tokens)]
-        args += list(opts.extra_decode_args)  # the cache, storage and transfer flags (`cache_flags`)
+        prefill = where[i % len(where)]
+        link = ["--prefill-file", prefill[1:]] if prefill.startswith("@") else ["--prefill", prefill]
+        args = ["decode", *_node_args(opts), *link]
+        args += ["--api-keys", str(keys), "--max-tokens", str(context)]
+        args += ["--transfer-retries", str(SUPERVISED_TRANSFER_RETRIES)]
+        args += list(
+            opts.extra_decode_args
+        )  # the cache, storage and transfer flags (`cache_flags`); last wins
         try:
             decode = await start_node(args, logs, name)
         except NodeFailed as exc:
             raise ServeError(f"the {name} node did not start: {exc.reason}") from exc
-        nodes.append(decode)
+        supervisor.add(name, args, decode)
         decode_at.append(("127.0.0.1", decode.port))
     return decode_at, admin_key, prefill_at
 

@@ -206,6 +206,54 @@ def test_metrics_count_requests_and_carry_the_decode_nodes_gauges(stack: Stack) 
     assert samples[("hicache_backend_transfer_bytes", ())] > 0
 
 
+# The stack's decode node holds 128 L1 pages less 2 reserved: prompts of at most 126 pages.
+POOL_LIMIT = (128 - 2) * PAGE
+
+
+def test_the_context_length_is_the_models_own(tmp_path: Path) -> None:
+    from hicache.runtime.serve import load_model_source
+
+    assert load_model_source("default").context_length == 8192  # the GGUF's llama.context_length
+
+
+def test_the_limit_reported_is_the_models_capped_by_what_the_pool_holds(stack: Stack) -> None:
+    assert POOL_LIMIT < 8192  # this stack's L1 is the tighter bound
+    models = httpx.get(f"{stack.url}/v1/models", timeout=30).json()["data"]
+    assert [m["max_model_len"] for m in models] == [POOL_LIMIT]
+    info = httpx.get(f"{stack.url}/get_model_info", timeout=30).json()
+    assert info["max_context_tokens"] == POOL_LIMIT
+    assert httpx.get(f"{stack.url}/get_server_info", timeout=30).json()["context_length"] == POOL_LIMIT
+
+
+def _content_of(prompt_tokens: int) -> list[dict[str, str]]:
+    """A chat whose prompt, with the chat template, is `prompt_tokens` tokens long."""
+    from hicache.runtime.serve import load_tokenizer
+
+    tokenizer, _ = load_tokenizer("default")
+    words = prompt_tokens
+    while True:
+        messages = [{"role": "user", "content": "sun " * words}]
+        n = len(tokenizer.encode_chat(messages, add_generation_prompt=True))
+        if n == prompt_tokens:
+            return messages
+        words += prompt_tokens - n
+
+
+def test_an_over_long_prompt_is_a_400_before_the_node_sees_it(stack: Stack) -> None:
+    arrived = stack.stats()["arrived"]
+    with pytest.raises(openai.BadRequestError) as refused:
+        chat(stack, _content_of(POOL_LIMIT + 1), max_tokens=1)
+    assert f"holds at most {POOL_LIMIT} tokens" in str(refused.value)
+    assert stack.stats()["arrived"] == arrived  # no work started for it
+
+
+def test_a_chat_without_max_tokens_gets_the_room_left_in_the_context(stack: Stack) -> None:
+    room = 6
+    reply = chat(stack, _content_of(POOL_LIMIT - room), extra_body={"ignore_eos": True})
+    assert reply.usage.prompt_tokens == POOL_LIMIT - room
+    assert reply.usage.completion_tokens == room and reply.choices[0].finish_reason == "length"
+
+
 def test_the_exported_tokenizer_loads_in_transformers_and_encodes_alike(tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 

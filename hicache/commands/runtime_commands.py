@@ -169,9 +169,22 @@ def run_runtime(args: argparse.Namespace) -> int:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    from hicache.runtime.serve_checks import ServeError, preflight
+
+    if args.export_tokenizer is None:
+        # Before anything loads: a bad flag or file is one line at once, not a failure after
+        # the model loaded in every node.
+        try:
+            preflight(
+                host=args.host, port=args.port, api_keys=args.api_keys, model=args.model, log_dir=args.log_dir
+            )
+        except ServeError as exc:
+            print(f"hicache serve: {exc}", file=sys.stderr)
+            return 2
     from hicache.runtime.nodes import sole
     from hicache.runtime.security.api_keys import ApiKeyError
-    from hicache.runtime.serve import ServeError, ServeOptions, load_tokenizer, main
+    from hicache.runtime.serve import ServeOptions, load_tokenizer, main
+    from hicache.runtime.supervisor import NodeDied
 
     if args.export_tokenizer is not None:
         try:
@@ -218,6 +231,10 @@ def run_serve(args: argparse.Namespace) -> int:
         decode_api_key=args.decode_api_key,
         api_keys=args.api_keys,
         max_tokens=args.max_tokens,
+        context_length=args.context_length,
+        max_queued_requests=args.max_queued_requests,
+        node_restarts=args.node_restarts,
+        health_check_interval_s=args.health_check_interval,
         log_dir=args.log_dir,
         extra_decode_args=tuple(passed_on),
         record_trace=args.record_trace,
@@ -226,9 +243,9 @@ def run_serve(args: argparse.Namespace) -> int:
     )
     try:
         return main(opts)
-    except (ServeError, ApiKeyError, BaseExceptionGroup) as exc:
+    except (ServeError, ApiKeyError, NodeDied, BaseExceptionGroup) as exc:
         err = sole(exc)
-        if not isinstance(err, ServeError | ApiKeyError):
+        if not isinstance(err, ServeError | ApiKeyError | NodeDied):
             raise
         print(f"hicache serve: {err}", file=sys.stderr)
-        return 2
+        return 1 if isinstance(err, NodeDied) else 2

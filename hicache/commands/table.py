@@ -430,7 +430,52 @@ SERVE = Command(
         arg("--port", type=PORT, default=0, help="the front door's port (0: any free one)"),
         arg("--engine", choices=ENGINES, default="tcp", help="the P->D transfer engine"),
         SettingFlag("page_size"),
-        arg("--max-tokens", type=int_in(1), default=32768, help="prompt + output tokens per request"),
+        arg(
+            "--max-tokens",
+            type=int_in(1),
+            default=32768,
+            help="prompt + output tokens per request, at most (default 32768; the context length "
+            "below is the limit in practice)",
+        ),
+        arg(
+            "--context-length",
+            type=int_in(1),
+            default=None,
+            metavar="N",
+            help="prompt + output tokens of one request (SGLang's name; default: the model's own, "
+            "max_position_embeddings or the GGUF's context_length, 8192 for the default model), capped "
+            "by what the decode node's L1 can hold; a request without max_tokens gets the room left",
+        ),
+        Group(
+            "admission and supervision",
+            (
+                arg(
+                    "--max-queued-requests",
+                    type=int_in(0),
+                    default=None,
+                    metavar="N",
+                    help="requests the front door queues while the decode nodes run their most "
+                    "(--max-running-requests, else as many as their L1 holds); past them a request "
+                    "gets 503 with Retry-After at once (SGLang's name; default: as many as run)",
+                ),
+                arg(
+                    "--node-restarts",
+                    type=int_in(0),
+                    default=3,
+                    metavar="N",
+                    help="a node started here that exits is restarted, at most N times in 10 minutes; "
+                    "past that, or with 0, serve stops every node and exits 1 (default 3)",
+                ),
+                arg(
+                    "--health-check-interval",
+                    type=float_above(0),
+                    default=5.0,
+                    metavar="S",
+                    help="seconds between checks of the nodes attached with --decode or --prefill; "
+                    "one that does not answer makes /health a 503 until it does (default 5)",
+                ),
+            ),
+        ),
         arg("--api-keys", type=Path, default=None, metavar="FILE", help="clients' API keys (TOML)"),
         arg(
             "--decode",

@@ -423,6 +423,19 @@ class DecodeConfig:
         return math.ceil(self.decode_reserve_tokens / self.page_size)
 
     @property
+    def max_prompt_tokens(self) -> int:
+        """The longest prompt admission can ever take: L1 less one request's decode reserve."""
+        return max(0, self.l1_pages - self.decode_reserve_pages) * self.page_size
+
+    @property
+    def max_running_requests(self) -> int:
+        """Requests the node can hold at once: `max_running` when set, else as many as L1
+        holds when each takes the least admission reserves (one prompt page and its decode
+        reserve); a front door sends no more than this and queues the rest."""
+        held = max(1, self.l1_pages // (1 + self.decode_reserve_pages))
+        return min(self.max_running, held) if self.max_running else held
+
+    @property
     def prefetch_threshold_pages(self) -> int:
         return math.ceil(self.prefetch_threshold_tokens / self.page_size)
 

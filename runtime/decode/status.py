@@ -65,7 +65,11 @@ class Status:
             "l2_pages_used": cfg.l2_pages - audit["l2_free"] if cfg.l2_pages else 0,
             "l2_pages": cfg.l2_pages,
             # The longest prompt the node can ever admit (its L1 less the decode reserve).
-            "max_prompt_tokens": (cfg.l1_pages - cfg.decode_reserve_pages) * cfg.page_size,
+            "max_prompt_tokens": cfg.max_prompt_tokens,
+            # What a front door admits by: requests held at once, and L1 in tokens (SGLang's name).
+            "max_running_requests": cfg.max_running_requests,
+            "max_total_tokens": cfg.l1_pages * cfg.page_size,
+            "decode_reserve_tokens": cfg.decode_reserve_pages * cfg.page_size,
             **{key: self.moved[key] for key in MOVED},
         }
 

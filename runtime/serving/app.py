@@ -15,10 +15,12 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from hicache.runtime.serving import openai_api, params, sglang_api
+from hicache.runtime.serving.admission import Admission
 from hicache.runtime.serving.auth import Auth, KeyLookup, PrincipalLike
 from hicache.runtime.serving.backend import Backend, TextCodec
 from hicache.runtime.serving.context import Context, context
 from hicache.runtime.serving.errors import JSON, ApiError, error_response
+from hicache.runtime.serving.health import Health
 from hicache.runtime.serving.metrics import Metrics
 from hicache.runtime.serving.trace_recorder import RecordingError, TraceRecorder
 
@@ -90,6 +92,8 @@ def create_app(
     api_keys: KeyLookup | Mapping[str, PrincipalLike] | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
     recorder: TraceRecorder | None = None,
+    admission: Admission | None = None,
+    health: Health | None = None,
 ) -> Starlette:
     """An ASGI app for `backend`; `codec` tokenizes prompts and detokenizes output.
 
@@ -97,7 +101,9 @@ def create_app(
     every route but /health and /health_generate needs `Authorization: Bearer KEY`, the key's
     tenant goes into each `GenerateRequest`, and /flush_cache and /metrics need an admin key.
     `recorder`: where traces of the requests served are recorded (trace_recorder.py); its
-    start and stop routes need an admin key too.
+    start and stop routes need an admin key too. `admission`: the bounded queue requests wait
+    in before they reach the backend (admission.py; None: none); `health`: what the front door
+    knows of the nodes behind it, which /health and /health_generate answer by (health.py).
     """
     app = Starlette(
         routes=[
@@ -109,15 +115,20 @@ def create_app(
         ],
         exception_handlers={ApiError: _api_error, HTTPException: _http_error},
     )
+    ctx_metrics = Metrics()
+    if admission is not None:
+        ctx_metrics.watch(admission)
     app.state.ctx = Context(
         backend=backend,
         codec=codec,
         model_name=model_name,
         info=backend.model_info(),
         auth=Auth(api_keys),
-        metrics=Metrics(),
+        metrics=ctx_metrics,
         max_body_bytes=max_body_bytes,
         started_at=time.time(),
         recorder=recorder if recorder is not None else TraceRecorder(model_name),
+        admission=admission,
+        health=health if health is not None else Health(),
     )
     return app

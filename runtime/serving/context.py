@@ -16,10 +16,12 @@ import trio
 from starlette.requests import Request
 from starlette.responses import Response
 
+from hicache.runtime.serving.admission import Admission, Overloaded
 from hicache.runtime.serving.auth import Auth
 from hicache.runtime.serving.backend import Backend, ModelInfo, TextCodec
 from hicache.runtime.serving.errors import ApiError, bad_request, error_response, unavailable
 from hicache.runtime.serving.generation import Generation, Job, aclose_shielded
+from hicache.runtime.serving.health import Health
 from hicache.runtime.serving.metrics import Metrics
 from hicache.runtime.serving.sse import Disconnected, until_disconnect
 from hicache.runtime.serving.trace_recorder import TraceRecorder
@@ -40,6 +42,8 @@ class Context:
     max_body_bytes: int
     started_at: float
     recorder: TraceRecorder
+    admission: Admission | None = None  # the bounded queue in front of the backend; None: none
+    health: Health = attrs.field(factory=Health)
 
     async def encode(self, text: str) -> list[int]:
         if len(text) > THREAD_ENCODE_CHARS:
@@ -62,7 +66,14 @@ class Context:
         rec = self.recorder.active  # a request belongs to the recording running when it came
         on_end = None if rec is None else rec.record
         return Generation(
-            self.backend, self.codec, self.metrics, job, self.info.eos_token_ids, arrived, on_end
+            self.backend,
+            self.codec,
+            self.metrics,
+            job,
+            self.info.eos_token_ids,
+            arrived,
+            on_end,
+            admission=self.admission,
         )
 
     async def run_to_end(self, request: Request, gen: Generation) -> bool:
@@ -132,7 +143,10 @@ def generation_route(api: str) -> Callable[[Callable[[Request], Awaitable[Respon
             try:
                 return await endpoint(request)
             except ApiError as err:
-                if err.status < 500:
+                if isinstance(err, Overloaded):
+                    context(request).metrics.requests.labels(api, "overloaded").inc()
+                    log.warning("%s %s refused with 503: %s", request.method, request.url.path, err.message)
+                elif err.status < 500:
                     context(request).metrics.requests.labels(api, "rejected").inc()
                     log.warning(
                         "%s %s refused with %d: %s", request.method, request.url.path, err.status, err.message

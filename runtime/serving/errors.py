@@ -26,6 +26,7 @@ class ApiError(Exception):
         self.type = type
         self.param = param
         self.code = code
+        self.headers: dict[str, str] = {}
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -56,8 +57,8 @@ class JSON(Response):
 
 
 def error_response(err: ApiError) -> JSON:
-    headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else None
-    return JSON(err.body(), status_code=err.status, headers=headers)
+    headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else {}
+    return JSON(err.body(), status_code=err.status, headers={**headers, **err.headers})
 
 
 def show(value: object, limit: int = 60) -> str:

@@ -6,6 +6,7 @@ Both APIs render the same `Generation`; only the JSON around it differs.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -14,6 +15,7 @@ from collections.abc import AsyncGenerator, Callable, Mapping
 import attrs
 import trio
 
+from hicache.runtime.serving.admission import Admission
 from hicache.runtime.serving.backend import (
     TIERS,
     Backend,
@@ -83,10 +85,13 @@ class Generation:
         eos: tuple[int, ...],
         arrived: float | None = None,
         on_end: Callable[[Generation], None] | None = None,
+        admission: Admission | None = None,
     ):
         """`arrived`: the request's arrival (time.monotonic()), so TTFT includes reading and
         tokenizing it; now if not given. `on_end` sees the generation once it ended and was
-        counted (a trace recorder); what it raises is logged, never the request's."""
+        counted (a trace recorder); what it raises is logged, never the request's. `admission`:
+        the front door's bounded queue, which the request waits in before it reaches the backend
+        (`Overloaded`, a 503, out of `run` when it is full)."""
         self.backend = backend
         self.job = job
         self._metrics = metrics
@@ -103,6 +108,8 @@ class Generation:
         self.prefill_cached_tokens: int | None = None  # when the backend reports them
         self.transferred_tokens: int | None = None
         self._on_end = on_end
+        self._admission = admission
+        self.queued_s = 0.0
         self._first_token_at: float | None = None
         self._last_token_at: float | None = None
 
@@ -133,7 +140,20 @@ class Generation:
 
     async def run(self) -> AsyncGenerator[str, None]:
         """Yields each piece of newly shown text ("" when tokens came but no text is final yet);
-        when it ends, `finish` says why. Closing it early aborts the backend's request."""
+        when it ends, `finish` says why. Closing it early aborts the backend's request. With an
+        admission queue, the request holds one of its slots from before it reaches the backend
+        until it ended there; a full queue raises `Overloaded` before anything started."""
+        async with contextlib.AsyncExitStack() as held:
+            if self._admission is not None:
+                req = self.job.request
+                need = self._admission.need(len(req.input_ids), req.max_new_tokens)
+                self.queued_s = await held.enter_async_context(self._admission.slot(need))
+                self._metrics.observe_queue_wait(self.queued_s)
+            pieces = await held.enter_async_context(contextlib.aclosing(self._run()))
+            async for piece in pieces:
+                yield piece
+
+    async def _run(self) -> AsyncGenerator[str, None]:
         events = self.backend.generate(self.job.request)
         try:
             async for event in events:

@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
+from hicache.runtime.serving.admission import Admission
 from hicache.runtime.serving.backend import TIERS
 
 log = logging.getLogger(__name__)
@@ -38,13 +39,43 @@ class _BackendGauges:
             )
 
 
+class _AdmissionGauges:
+    """The front door's queue as it is at the scrape, under our names and SGLang's."""
+
+    def __init__(self) -> None:
+        self.admission: Admission | None = None
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        a = self.admission
+        if a is None:
+            return
+        running, queued = float(a.running), float(a.queued)
+        yield GaugeMetricFamily("sglang:num_running_reqs", "Requests running (SGLang's name)", value=running)
+        yield GaugeMetricFamily("sglang:num_queue_reqs", "Requests queued (SGLang's name)", value=queued)
+        yield GaugeMetricFamily("hicache_requests_running", "Requests at the decode nodes", value=running)
+        yield GaugeMetricFamily("hicache_requests_queued", "Requests waiting at the front door", value=queued)
+        yield GaugeMetricFamily(
+            "hicache_max_running_requests", "Requests the decode nodes take at once", value=a.max_running
+        )
+        yield GaugeMetricFamily(
+            "hicache_max_queued_requests", "Requests the front door queues before a 503", value=a.max_queued
+        )
+        yield GaugeMetricFamily(
+            "hicache_admitted_tokens", "L1 tokens the requests at the decode nodes take", value=a.tokens
+        )
+
+
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
             "hicache_requests",
-            "Generation requests by API and outcome (stop, length, abort, error, disconnect, rejected)",
+            "Generation requests by API and outcome "
+            "(stop, length, abort, error, disconnect, rejected, overloaded)",
             ["api", "outcome"],
             registry=r,
         )
@@ -75,8 +106,30 @@ class Metrics:
         )
         for tier in TIERS:
             self.cached_tokens.labels(tier)  # present at 0 before the first hit
+        self.queue_wait = Histogram(
+            "hicache_queue_wait_seconds",
+            "Time a request waited in the front door's queue before reaching a decode node",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            "sglang:queue_time_seconds",
+            "The same wait, under SGLang's name",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self._backend = _BackendGauges()
         r.register(self._backend)
+        self._admission = _AdmissionGauges()
+        r.register(self._admission)
+
+    def watch(self, admission: Admission) -> None:
+        """Report this queue's depth and limits at each scrape."""
+        self._admission.admission = admission
+
+    def observe_queue_wait(self, seconds: float) -> None:
+        self.queue_wait.observe(seconds)
+        self.queue_time.observe(seconds)
 
     def set_backend_stats(self, stats: Mapping[str, object]) -> None:
         clean: dict[str, float] = {}

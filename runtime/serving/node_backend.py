@@ -47,6 +47,11 @@ class NodeBackend:
             return self._idle.pop()
         return await DecodeClient.connect(self.host, self.port, api_key=self.api_key)
 
+    def moved(self, host: str, port: int) -> None:
+        """The node was restarted at `host:port`: connections to the old one are dropped."""
+        self.host, self.port = host, port
+        self._idle.clear()  # their sockets met the old node's end; closed as they are collected
+
     def _give_back(self, client: DecodeClient) -> None:
         if len(self._idle) < self.idle_connections:
             self._idle.append(client)

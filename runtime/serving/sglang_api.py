@@ -160,17 +160,28 @@ async def flush_cache(request: Request) -> Response:
     return PlainTextResponse("Cache flushed.\n")
 
 
+def _check_nodes(ctx: Context) -> None:
+    """A 503 naming the node that is down, when the front door knows one is."""
+    problem = ctx.health.problem()
+    if problem is not None:
+        raise unavailable(f"unhealthy: {problem}", code="unhealthy")
+
+
 async def health(request: Request) -> Response:
+    """200 while every node behind the front door is up (a node that exited, or an attached
+    node that stopped answering its checks, is a 503 at once)."""
+    _check_nodes(context(request))
     return Response(status_code=200)
 
 
 async def health_generate(request: Request) -> Response:
-    """A one-token generation through the whole path, as SGLang's probe does."""
+    """A one-token generation through the whole path, as SGLang's probe does; a 503 at once
+    while a node is known to be down. It does not wait in the front door's queue: a probe
+    says whether the path works, not how busy it is."""
     ctx = context(request)
+    _check_nodes(ctx)
     prompt = ctx.codec.encode("Hi") or [0]
-    req = GenerateRequest(
-        "health-" + ctx.new_rid(), prompt[: ctx.info.max_context_tokens - 1], 1, Sampling()
-    )
+    req = GenerateRequest("health-" + ctx.new_rid(), prompt[: ctx.info.max_context_tokens - 1], 1, Sampling())
     events = ctx.backend.generate(req)
     reason = "timed out"
     try:

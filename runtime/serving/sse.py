@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Send
 
-from hicache.runtime.serving.errors import dumps
+from hicache.runtime.serving.errors import ApiError, dumps
 from hicache.runtime.serving.generation import aclose_shielded
 
 T = TypeVar("T")
@@ -53,26 +53,32 @@ class Disconnected(Exception):
 async def until_disconnect(request: Request, fn: Callable[[], Awaitable[T]]) -> T:
     """`await fn()`, cancelled if the client disconnects first; `Disconnected` if the client
     left at all, even just as `fn` finished (its `http.disconnect` is consumed here, so a
-    stream started after it would never hear of it)."""
+    stream started after it would never hear of it). A refusal (`ApiError`) out of `fn`, such
+    as a full queue's 503, comes out as itself, not inside an exception group."""
     result: list[T] = []
     left = False
-    async with trio.open_nursery() as nursery:
+    try:
+        async with trio.open_nursery() as nursery:
 
-        async def watch() -> None:
-            nonlocal left
-            while True:
-                message = await request.receive()
-                if message["type"] == "http.disconnect":
-                    left = True
-                    nursery.cancel_scope.cancel()
-                    return
+            async def watch() -> None:
+                nonlocal left
+                while True:
+                    message = await request.receive()
+                    if message["type"] == "http.disconnect":
+                        left = True
+                        nursery.cancel_scope.cancel()
+                        return
 
-        async def work() -> None:
-            result.append(await fn())
-            nursery.cancel_scope.cancel()
+            async def work() -> None:
+                result.append(await fn())
+                nursery.cancel_scope.cancel()
 
-        nursery.start_soon(watch)
-        nursery.start_soon(work)
+            nursery.start_soon(watch)
+            nursery.start_soon(work)
+    except BaseExceptionGroup as group:
+        if len(group.exceptions) == 1 and isinstance(group.exceptions[0], ApiError):
+            raise group.exceptions[0] from None
+        raise
     if left or not result:
         raise Disconnected
     return result[0]

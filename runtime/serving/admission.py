@@ -1,0 +1,199 @@
+"""The front door's admission: at most `max_running` requests at the decode nodes, holding at
+most `max_tokens` of their L1 (a request counts its prompt and the output a node reserves for
+it at admission), at most `max_queued` more waiting here in arrival order, and a 503 with
+`Retry-After` at once for the next one, rather than accepting work that would only wait
+(SGLang's `--max-running-requests` and `--max-queued-requests`).
+
+`Slots` holds the decisions as plain state (property-tested); `Admission` drives it from trio
+tasks: a queued request waits on an event, and a slot that frees passes straight to the head of
+the queue, so a request never overtakes one that came before it.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Literal
+
+import attrs
+import trio
+
+from hicache.runtime.serving.errors import ApiError
+
+Decision = Literal["run", "queued", "refused"]
+RETRY_AFTER_MAX_S = 60
+_EWMA = 0.2  # weight of the newest request's duration in the mean a Retry-After is guessed from
+
+
+class Overloaded(ApiError):
+    """The queue is full: a 503 that tells the client when to try again."""
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(503, message, type="server_error", code="overloaded")
+        self.retry_after_s = retry_after_s
+        self.headers = {"Retry-After": str(retry_after_s)}
+
+
+@attrs.define
+class Slots:
+    """Who runs and who waits. A request needs a slot (`max_running`) and its tokens of the
+    decode nodes' L1 (`max_tokens`, 0: not counted; a request alone always fits, as the limits
+    checked before let only what a node can hold through). Invariants: `running <=
+    max_running`, `tokens <= max_tokens` unless one request runs alone, `len(queue) <=
+    max_queued`, and the queue's head waits only while it does not fit: requests start in
+    arrival order, none overtakes another."""
+
+    max_running: int
+    max_queued: int
+    max_tokens: int = 0
+    running: int = 0
+    tokens: int = 0
+    queue: collections.deque[tuple[int, int]] = attrs.field(factory=collections.deque)
+    held: dict[int, int] = attrs.field(factory=dict)  # running ticket -> its tokens
+
+    def __attrs_post_init__(self) -> None:
+        if self.max_running < 1 or self.max_queued < 0 or self.max_tokens < 0:
+            raise ValueError(
+                f"admission: expected max_running >= 1, max_queued >= 0 and max_tokens >= 0, "
+                f"got {self.max_running}, {self.max_queued} and {self.max_tokens}"
+            )
+
+    def fits(self, need: int) -> bool:
+        if self.running >= self.max_running:
+            return False
+        return not self.max_tokens or not self.running or self.tokens + need <= self.max_tokens
+
+    def arrive(self, ticket: int, need: int = 0) -> Decision:
+        if not self.queue and self.fits(need):
+            self._start(ticket, need)
+            return "run"
+        if len(self.queue) >= self.max_queued:
+            return "refused"
+        self.queue.append((ticket, need))
+        return "queued"
+
+    def leave(self, ticket: int) -> list[int]:
+        """A running request ended: the queued requests that fit now start (returned, in order)."""
+        if ticket not in self.held:
+            raise ValueError(f"admission: request {ticket} left but was not running")
+        self.tokens -= self.held.pop(ticket)
+        self.running -= 1
+        return self._start_heads()
+
+    def withdraw(self, ticket: int) -> list[int] | None:
+        """A queued request gave up (its client left): None if it was not queued, else the
+        requests behind it that start now that it no longer holds them up."""
+        for i, (queued, _) in enumerate(self.queue):
+            if queued == ticket:
+                del self.queue[i]
+                return self._start_heads() if i == 0 else []
+        return None
+
+    def _start(self, ticket: int, need: int) -> None:
+        self.running += 1
+        self.tokens += need
+        self.held[ticket] = need
+
+    def _start_heads(self) -> list[int]:
+        started = []
+        while self.queue and self.fits(self.queue[0][1]):
+            ticket, need = self.queue.popleft()
+            self._start(ticket, need)
+            started.append(ticket)
+        return started
+
+
+class Admission:
+    """`async with admission.slot():` around the work of one request at the decode nodes."""
+
+    def __init__(
+        self, max_running: int, max_queued: int, max_tokens: int = 0, reserve_tokens: int = 0
+    ) -> None:
+        """`reserve_tokens`: the output tokens a decode node reserves for a request as it admits
+        it (its `--decode-reserve-tokens`); a request counts its prompt and up to that much."""
+        self.slots = Slots(max_running, max_queued, max_tokens)
+        self.reserve_tokens = reserve_tokens
+        self._events: dict[int, trio.Event] = {}
+        self._next = 0
+        self.mean_run_s = 1.0  # a first guess, replaced by what requests take
+        self.refused = 0
+
+    @property
+    def max_running(self) -> int:
+        return self.slots.max_running
+
+    @property
+    def max_queued(self) -> int:
+        return self.slots.max_queued
+
+    @property
+    def running(self) -> int:
+        return self.slots.running
+
+    @property
+    def tokens(self) -> int:
+        return self.slots.tokens
+
+    @property
+    def max_tokens(self) -> int:
+        return self.slots.max_tokens
+
+    @property
+    def queued(self) -> int:
+        return len(self.slots.queue)
+
+    def need(self, prompt_tokens: int, max_new_tokens: int) -> int:
+        """The L1 tokens a request takes at a decode node's admission."""
+        return prompt_tokens + min(max_new_tokens, self.reserve_tokens)
+
+    def retry_after_s(self) -> int:
+        """About when a slot frees for a newcomer: the queue ahead drains `max_running` at a time."""
+        rounds = (self.queued + 1) / self.max_running
+        return max(1, min(RETRY_AFTER_MAX_S, math.ceil(rounds * self.mean_run_s)))
+
+    @asynccontextmanager
+    async def slot(self, tokens: int = 0) -> AsyncIterator[float]:
+        """Hold a slot and `tokens` of L1 for the block; yields the seconds spent queued.
+        Raises `Overloaded` at once when the queue is full; a request cancelled while queued
+        leaves the queue."""
+        ticket = self._next
+        self._next += 1
+        arrived = time.monotonic()
+        decision = self.slots.arrive(ticket, tokens)
+        if decision == "refused":
+            self.refused += 1
+            raise Overloaded(
+                f"the server is full: {self.running} requests running and {self.queued} queued "
+                "(--max-running-requests, --max-queued-requests); retry later",
+                self.retry_after_s(),
+            )
+        if decision == "queued":
+            event = self._events[ticket] = trio.Event()
+            try:
+                await event.wait()
+            except BaseException:
+                started = self.slots.withdraw(ticket)
+                if started is None:  # it was started as it was cancelled: give its slot back
+                    self._release(ticket)
+                else:
+                    self._wake(started)
+                raise
+            finally:
+                self._events.pop(ticket, None)
+        started = time.monotonic()
+        try:
+            yield started - arrived
+        finally:
+            ran = time.monotonic() - started
+            self.mean_run_s += _EWMA * (ran - self.mean_run_s)
+            self._release(ticket)
+
+    def _release(self, ticket: int) -> None:
+        self._wake(self.slots.leave(ticket))
+
+    def _wake(self, tickets: list[int]) -> None:
+        for ticket in tickets:
+            self._events[ticket].set()
