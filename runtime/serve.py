@@ -48,6 +48,8 @@ class ServeError(Exception):
 @attrs.frozen
 class ServeOptions:
     model: str = "default"  # "default", a GGUF file or a Hugging Face folder
+    dtype: str = "auto"  # both nodes' --dtype
+    kv_cache_dtype: str = "auto"  # both nodes' --kv-cache-dtype (they must agree)
     host: str = "127.0.0.1"
     port: int = 0
     engine: str = "tcp"
@@ -105,6 +107,7 @@ def load_tokenizer(model: str) -> tuple[ChatTokenizer, str]:
 
 def _node_args(opts: ServeOptions) -> list[str]:
     args = ["--engine", opts.engine, "--page-size", str(opts.page_size), "--model", opts.model]
+    args += ["--dtype", opts.dtype, "--kv-cache-dtype", opts.kv_cache_dtype]
     # The nodes share this machine's cores: a thread of one waiting on a core another keeps busy
     # would stall every step of its model at the next barrier.
     started = (0 if opts.prefill else opts.prefill_nodes) + opts.decode_nodes

@@ -27,7 +27,7 @@ class ContiguousKV:
             k = torch.cat((self.past_kv[layer, 0], k), dim=0)
             v = torch.cat((self.past_kv[layer, 1], v), dim=0)
         queries_from = k.shape[0] - 1 if rows is not None else self.past_len
-        return attend(q, k, v, queries_from)
+        return attend(q, k.to(q.dtype), v.to(q.dtype), queries_from)
 
 
 class PagedKV:
@@ -88,8 +88,9 @@ class PagedKV:
             self.grid_i = torch.arange(int(offsets[-1])) - offsets[:-1][self.grid_b]
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.pool[self.write_pages, layer, 0, self.write_slots] = k
-        self.pool[self.write_pages, layer, 1, self.write_slots] = v
+        dtype = self.pool.dtype
+        self.pool[self.write_pages, layer, 0, self.write_slots] = k.to(dtype)
+        self.pool[self.write_pages, layer, 1, self.write_slots] = v.to(dtype)
 
     def last_rows(self) -> torch.Tensor:
         """Flat indices of each request's last new row: only those need logits."""
@@ -100,7 +101,7 @@ class PagedKV:
         # One gather of whole contiguous rows (a page's K or V for one layer) into (2, B, L, ...).
         which = (self.page_rows + 2 * layer).view(-1)
         kv = torch.index_select(self.rows_view, 0, which).view(2, b, self.key_len, heads, dim)
-        k, v = kv[0], kv[1]
+        k, v = kv[0].to(q.dtype), kv[1].to(q.dtype)  # the pool's K/V dtype may differ from the model's
         if b == 1:
             # One sequence: exactly its keys, and the same attention call as the contiguous path.
             end = self.ends[0]

@@ -432,7 +432,8 @@ class PrefillNode:
                         ready_send.send_nowait((0, layers))
                     else:
                         self.streamed += 1
-            return done, page_digests(staging[idx]) if slots else []
+            # Hashing reads every byte of the pages: a worker thread does it, off the loop.
+            return done, await trio.to_thread.run_sync(page_digests, staging[idx]) if slots else []
         finally:
             with trio.CancelScope(shield=True):
                 if await self._settle(unsettled, notif):  # else a WRITE may still read them
