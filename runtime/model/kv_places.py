@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from hicache.runtime.model.attention import attend
+from hicache.runtime.model.attention import attend, attend_last
 
 
 class ContiguousKV:
@@ -51,6 +51,7 @@ class PagedKV:
         self.pool = pool
         self.batch = len(counts)
         self.ends = [s + n for s, n in zip(starts, counts, strict=True)]  # keys 0 .. end-1
+        self.ends_tensor = torch.tensor(self.ends, dtype=torch.int64)
         positions = torch.cat([torch.arange(s, e) for s, e in zip(starts, self.ends, strict=True)])
         self.positions = positions
         self.write_pages = torch.tensor(
@@ -106,14 +107,11 @@ class PagedKV:
             # One sequence: exactly its keys, and the same attention call as the contiguous path.
             end = self.ends[0]
             return attend(q, k[0, :end], v[0, :end], end - q.shape[0])
-        k, v = k.transpose(1, 2), v.transpose(1, 2)  # (B, kv_heads, L, head_dim)
-        key_pos = torch.arange(self.key_len)
         if rows is not None or self.single_rows:
             # One query per request: its last new position sees every key up to it.
-            q_pos = torch.tensor(self.ends) - 1
-            mask = key_pos[None, None, None, :] <= q_pos[:, None, None, None]  # (B, 1, 1, L)
-            out = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask, enable_gqa=True)
-            return out[:, :, 0].reshape(b, -1)
+            return attend_last(q, k, v, self.ends_tensor)
+        k, v = k.transpose(1, 2), v.transpose(1, 2)  # (B, kv_heads, L, head_dim)
+        key_pos = torch.arange(self.key_len)
         grid = q.new_zeros((b, self.max_rows, *q.shape[1:]))
         grid[self.grid_b, self.grid_i] = q
         q_pos = torch.tensor(self.ends)[:, None] - 1 + torch.zeros(1, self.max_rows, dtype=torch.int64)

@@ -81,16 +81,29 @@ def greedy_token(logits: torch.Tensor) -> int:
     return int(torch.argmax(logits).item())
 
 
-class _LayerMatrices:
-    """One layer's four matrices, packed once for the CPU's matmul kernel (`PackedMatrix`)."""
+class _Block:
+    """One layer as the forward uses it: its four matrices packed once for the CPU's matmul
+    kernel (`PackedMatrix`), its norms and bias as they are."""
 
-    __slots__ = ("gate_up", "qkv", "w_down", "wo")
+    __slots__ = ("attn_norm", "gate_up", "mlp_norm", "qkv", "qkv_bias", "w_down", "wo")
 
     def __init__(self, layer: LlamaLayer) -> None:
+        self.attn_norm, self.mlp_norm, self.qkv_bias = layer.attn_norm, layer.mlp_norm, layer.qkv_bias
         self.qkv = PackedMatrix(layer.qkv)
         self.wo = PackedMatrix(layer.wo)
         self.gate_up = PackedMatrix(layer.gate_up)
         self.w_down = PackedMatrix(layer.w_down)
+
+    def layer(self) -> LlamaLayer:
+        return LlamaLayer(
+            attn_norm=self.attn_norm,
+            qkv=self.qkv.dense(),
+            qkv_bias=self.qkv_bias,
+            wo=self.wo.dense(),
+            mlp_norm=self.mlp_norm,
+            gate_up=self.gate_up.dense(),
+            w_down=self.w_down.dense(),
+        )
 
 
 class LlamaModel:
@@ -118,17 +131,32 @@ class LlamaModel:
         if kv_name not in KV_DTYPES:
             raise ValueError(f"kv_dtype: expected one of {sorted(KV_DTYPES)}, got {kv_dtype!r}")
         self.config = config
-        self.weights = weights
         self.kv_dtype_name: str = kv_name
         self.kv_dtype: torch.dtype = KV_DTYPES[kv_name]
         self.eos_token_ids: frozenset[int] = frozenset(int(t) for t in eos_token_ids)
-        self._matrices = tuple(_LayerMatrices(layer) for layer in weights.layers)
+        # The forward's own copy of the weights, matrices packed; `weights` gives them back.
+        self._embed, self._final_norm = weights.embed, weights.final_norm
+        self._blocks = tuple(_Block(layer) for layer in weights.layers)
         self._head = PackedMatrix(weights.head)
+        self._tied = weights.head.data_ptr() == weights.embed.data_ptr()
+        self._weights = None if self._head.packed else weights
         self._inv_freq = rope_inv_freq(config)  # (head_dim / 2,), float64
         # Tensor parallelism (`runtime/model/tp_model.py`): the sum over ranks of the row-split
         # o_proj and down projections' partial outputs; None on a whole model.
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.full_config: LlamaConfig = config  # the whole model's, also on a rank's part
+
+    @property
+    def weights(self) -> LlamaWeights:
+        """Every weight in the `LlamaWeights` layout. With packed matrices (float32 and bfloat16
+        on a CPU with oneDNN) they are unpacked into new tensors on each call, bit for bit: for
+        sharding and checks, not for the forward."""
+        if self._weights is not None:
+            return self._weights
+        embed = self._embed
+        head = embed.t() if self._tied else self._head.dense()
+        layers = tuple(block.layer() for block in self._blocks)
+        return LlamaWeights(embed=embed, layers=layers, final_norm=self._final_norm, head=head)
 
     def parameters(self) -> dict[str, torch.Tensor]:
         """Every weight by name (views, not copies): for comparing models and checksums."""
@@ -171,14 +199,14 @@ class LlamaModel:
         layer only rows `last` go on (nothing after the last K/V needs the others). `on_layer(i)`
         is called once layer i's K/V is stored (prefill ships it from there, layer by layer).
         """
-        cfg, w = self.config, self.weights
+        cfg = self.config
         q_width, kv_width = cfg.q_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
         n = tokens.shape[0]
         cos, sin = self._rope(positions)
-        x = w.embed[tokens]  # (n, hidden)
-        for index, (layer, mm) in enumerate(zip(w.layers, self._matrices, strict=True)):
+        x = self._embed[tokens]  # (n, hidden)
+        for index, layer in enumerate(self._blocks):
             h = rms_norm(x, layer.attn_norm, cfg.rms_eps)
-            qkv = mm.qkv(h)
+            qkv = layer.qkv(h)
             if layer.qkv_bias is not None:
                 qkv = qkv + layer.qkv_bias
             q, k, v = qkv.split((q_width, kv_width, kv_width), dim=1)
@@ -191,15 +219,15 @@ class LlamaModel:
                 rows = last
                 x, q, cos, sin = x[last], q[last], cos[last], sin[last]
             q = apply_rope(q.reshape(-1, cfg.q_heads, cfg.head_dim), cos, sin)
-            attn = mm.wo(kv.attend(index, q, rows))
+            attn = layer.wo(kv.attend(index, q, rows))
             x = x + (attn if self.reduce is None else self.reduce(attn))
             h = rms_norm(x, layer.mlp_norm, cfg.rms_eps)
-            gate, up = mm.gate_up(h).split(cfg.ffn, dim=1)
-            mlp = mm.w_down(F.silu(gate) * up)
+            gate, up = layer.gate_up(h).split(cfg.ffn, dim=1)
+            mlp = layer.w_down(F.silu(gate) * up)
             x = x + (mlp if self.reduce is None else self.reduce(mlp))
         if last.shape[0] < x.shape[0]:
             x = x[last]
-        logits = self._head(rms_norm(x, w.final_norm, cfg.rms_eps))
+        logits = self._head(rms_norm(x, self._final_norm, cfg.rms_eps))
         # Sampling works in float32 at least: a bf16 logit has 8 bits of mantissa, too few to
         # tell near-equal tokens apart by anything but rounding.
         return logits if logits.dtype in (torch.float32, torch.float64) else logits.float()

@@ -44,9 +44,7 @@ def default_model_path() -> Path:
     return path
 
 
-def load_model(
-    path: str | Path | None = None, *, dtype: str = "auto", kv_dtype: str = "auto"
-) -> LoadedModel:
+def load_model(path: str | Path | None = None, *, dtype: str = "auto", kv_dtype: str = "auto") -> LoadedModel:
     """The model at `path` (a `.gguf` file, or a directory with config.json + *.safetensors and
     tokenizer.json); None loads the default model.
 

@@ -11,9 +11,8 @@ accumulate in float32. Measured on this project's 2-core AMD EPYC, one thread, t
 74 ms for float32 `x @ w` (`bench/matmul_bench.py`).
 
 Packing is used for float32 and bfloat16 on CPU when torch has oneDNN; float64 (the exact tests'
-tiny model), float16 and other builds multiply `x @ w` as before. A row's result does not depend
-on the other rows of the batch (checked in `tests/test_packed_matrix.py`), so a request's tokens
-do not depend on which requests share its step.
+tiny model), float16 and other builds multiply `x @ w` as before. As with MKL, the kernel
+chosen depends on the number of rows, so a row's last bits may depend on the batch it is in.
 """
 
 from __future__ import annotations
@@ -44,28 +43,40 @@ def packing_available(dtype: torch.dtype) -> bool:
 
 
 class PackedMatrix:
-    """`x @ w` for a fixed `w` of shape `(in, out)`; `w` itself stays readable as `.weight`."""
+    """`x @ w` for a fixed `w` of shape `(in, out)`.
 
-    __slots__ = ("_packed", "shape", "weight")
+    Packed, the matrix is kept only in the kernel's layout (no second copy of the weights in
+    memory); `dense()` gives `w` back, bit for bit, as a new tensor."""
+
+    __slots__ = ("_packed", "_weight", "dtype", "shape")
 
     def __init__(self, weight: torch.Tensor, *, pack: bool = True) -> None:
         if weight.dim() != 2:
             raise ValueError(
                 f"PackedMatrix: expected a 2-D (in, out) weight, got shape {tuple(weight.shape)}"
             )
-        self.weight = weight
         self.shape = tuple(weight.shape)
+        self.dtype = weight.dtype
+        self._weight: torch.Tensor | None = weight
         self._packed: torch.Tensor | None = None
         if pack and weight.device.type == "cpu" and packing_available(weight.dtype):
             # oneDNN takes nn.Linear's (out, in); the packed copy is the kernel's own layout.
             self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.t().contiguous(), 1)
+            self._weight = None
 
     @property
     def packed(self) -> bool:
         return self._packed is not None
 
+    def dense(self) -> torch.Tensor:
+        """The `(in, out)` matrix: the one given, or (packed) a copy unpacked from the kernel's layout."""
+        if self._weight is not None:
+            return self._weight
+        assert self._packed is not None
+        return self._packed.to_dense().t().contiguous()
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """`x @ weight` for `x` of shape `(rows, in)` in the weight's dtype."""
-        if self._packed is None or x.dtype != self.weight.dtype:
-            return x @ self.weight
+        """`x @ w` for `x` of shape `(rows, in)` in the weight's dtype."""
+        if self._packed is None:
+            return x @ self._weight  # type: ignore[operator]
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._packed, None, "none", [], "")
