@@ -23,6 +23,7 @@ before and after each server's run, since the machine is shared.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import json
 import os
@@ -63,10 +64,8 @@ class RssSampler(threading.Thread):
             except psutil.Error:
                 return
             for p in procs:
-                try:
+                with contextlib.suppress(psutil.Error):  # a process that just ended
                     total += p.memory_info().rss
-                except psutil.Error:
-                    pass
             self.peak = max(self.peak, total)
             self.stop.wait(0.2)
 

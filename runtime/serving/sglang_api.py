@@ -168,7 +168,9 @@ async def health_generate(request: Request) -> Response:
     """A one-token generation through the whole path, as SGLang's probe does."""
     ctx = context(request)
     prompt = ctx.codec.encode("Hi") or [0]
-    req = GenerateRequest("health-" + ctx.new_rid(), prompt[: ctx.info.max_context_tokens - 1], 1, Sampling())
+    req = GenerateRequest(
+        "health-" + ctx.new_rid(), prompt[: ctx.info.max_context_tokens - 1], 1, Sampling()
+    )
     events = ctx.backend.generate(req)
     reason = "timed out"
     try:
