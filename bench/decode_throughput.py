@@ -41,7 +41,7 @@ def ours(model: LlamaModel, batch_prompts: list[list[int]], new: int, page_size:
     pages_each = -(-(length + new) // page_size)
     pool = torch.zeros(
         (len(batch_prompts) * pages_each, cfg.layers, 2, page_size, cfg.kv_heads, cfg.head_dim),
-        dtype=cfg.torch_dtype,
+        dtype=model.kv_dtype,
     )
     tables = [list(range(b * pages_each, (b + 1) * pages_each)) for b in range(len(batch_prompts))]
     logits = model.forward_paged(pool, tables, [0] * len(batch_prompts), batch_prompts)

@@ -187,6 +187,23 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     """The decode node's cache, storage, transfer and estimate flags, in groups for --help."""
     cache = _group(parser, CACHE)
     cache.add_argument(
+        "--max-total-tokens",
+        type=int_in(1),
+        default=0,
+        metavar="N",
+        help="size L1 to hold N tokens of KV instead of --l1-pages (SGLang's name); L2 follows at "
+        "--hicache-ratio (default: --l1-pages)",
+    )
+    cache.add_argument(
+        "--mem-fraction-static",
+        type=fraction,
+        default=0.0,
+        metavar="F",
+        help="size L1 from memory instead of --l1-pages (SGLang's name): weights and L1 may take this "
+        "share of the machine's memory (the GPU's, with one); L1 gets what is available once the model "
+        "is loaded, less 1-F of the total; with --max-total-tokens, the smaller (default: --l1-pages)",
+    )
+    cache.add_argument(
         "--no-decode-cache",
         "--disable-radix-cache",
         dest="no_decode_cache",
@@ -239,6 +256,17 @@ def _group(parser: argparse.ArgumentParser, key: str) -> argparse._ArgumentGroup
         if f.group == key:
             f.add_to(group)
     return group
+
+
+def fraction(text: str) -> float:
+    """An argparse `type` for a share strictly between 0 and 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1), got {text!r}") from None
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1), got {text!r}")
+    return value
 
 
 def byte_size(text: str) -> int:
@@ -297,6 +325,9 @@ def decode_config(args: argparse.Namespace, page_bytes: int | None = None) -> De
                     raise SettingsError(f"--hicache-storage-backend-extra-config {key}: {exc}") from None
     off = args.no_decode_cache
     kind, _ = storage_kind(args)
+    sized = sized_l1_flag(args)
+    if sized is not None and values["l1_pages"] != _defaults()["l1_pages"]:
+        raise SettingsError(f"{sized}: sizes L1, and so does --l1-pages; give one of them")
     l1 = values.pop("l1_pages")
     l2 = values.pop("l2_pages")
     ratio = values.pop("hicache_ratio")
@@ -323,6 +354,23 @@ def decode_config(args: argparse.Namespace, page_bytes: int | None = None) -> De
     )
 
 
+def l2_ratio(args: argparse.Namespace) -> float | None:
+    """The ratio L2 keeps to an L1 the node sizes from memory (--max-total-tokens,
+    --mem-fraction-static); None where L2 is given otherwise (--l2-pages, --hicache-size) or off."""
+    if args.l2_pages is not None or args.no_decode_cache or args.hicache_size_gb > 0:
+        return None
+    return float(args.hicache_ratio)
+
+
+def sized_l1_flag(args: argparse.Namespace) -> str | None:
+    """The flag that sizes L1 from memory, if one was given."""
+    if args.max_total_tokens:
+        return "--max-total-tokens"
+    if args.mem_fraction_static:
+        return "--mem-fraction-static"
+    return None
+
+
 def l2_gigabytes(args: argparse.Namespace) -> float:
     """GB of L2 the node sizes its pool to once it knows a page's bytes (0: as configured)."""
     return 0.0 if args.l2_pages is not None or args.no_decode_cache else args.hicache_size_gb
@@ -338,6 +386,10 @@ def forwarded(args: argparse.Namespace) -> list[str]:
             out += [f.flag, _text(value)]
     if args.no_decode_cache:
         out.append("--no-decode-cache")
+    if args.max_total_tokens:
+        out += ["--max-total-tokens", str(args.max_total_tokens)]
+    if args.mem_fraction_static:
+        out += ["--mem-fraction-static", repr(args.mem_fraction_static)]
     if args.no_storage:
         out.append("--no-storage")
     if args.storage_backend is not None:

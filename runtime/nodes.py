@@ -34,6 +34,7 @@ from hicache.faults import FaultSpec
 from hicache.runtime.decode.decode_node import DecodeService
 from hicache.runtime.decode.faults import FaultyStore
 from hicache.runtime.kv.kv_layout import KVLayout
+from hicache.runtime.kv.l1_sizing import SizingError, l1_pages_for
 from hicache.runtime.malloc_tuning import DEFAULT_MMAP_THRESHOLD, pin_mmap_threshold
 from hicache.runtime.model.llama import LlamaConfig, LlamaModel, TinyConfig, TinyModel
 from hicache.runtime.model.tp_model import check_split, shard_model
@@ -100,22 +101,36 @@ def _startup_error_unwrapped() -> Iterator[None]:
         raise
 
 
-def layout_for(model: LlamaConfig, page_size: int) -> KVLayout:
-    return KVLayout(model.layers, model.kv_heads, model.head_dim, page_size, model.dtype)
+def layout_for(model: LlamaConfig, page_size: int, kv_dtype: str | None = None) -> KVLayout:
+    """The pages' layout: the model's geometry, with K/V in `kv_dtype` (default: the model's)."""
+    dtype = model.dtype if kv_dtype is None else kv_dtype
+    return KVLayout(model.layers, model.kv_heads, model.head_dim, page_size, dtype)
+
+
+def model_layout(model: LlamaModel, page_size: int) -> KVLayout:
+    """The layout of `model`'s pages, in the dtype it keeps K/V in (`--kv-cache-dtype`)."""
+    return layout_for(model.config, page_size, model.kv_dtype_name)
 
 
 ModelSpec = TinyConfig | str  # the seeded tiny model, or "default" / a GGUF file / an HF folder
 
 
-def build_model(spec: ModelSpec) -> tuple[LlamaModel, str]:
-    """The model a node computes with, and the name its page keys are salted with (pages of
-    two models never share a key). A model that cannot be loaded is a `StartupError`."""
+def build_model(spec: ModelSpec, dtype: str = "auto", kv_dtype: str = "auto") -> tuple[LlamaModel, str]:
+    """The model a node computes with (in `dtype`, K/V in `kv_dtype`; "auto": the checkpoint's
+    own), and the name its page keys are salted with (pages of two models never share a key).
+    A model that cannot be loaded is a `StartupError`."""
+    kv = None if kv_dtype == "auto" else kv_dtype
     if isinstance(spec, TinyConfig):
-        return TinyModel(spec), "tiny"
+        try:
+            config = spec if dtype == "auto" else attrs.evolve(spec, dtype=dtype)
+            return TinyModel(config, kv_dtype=kv), "tiny"
+        except ValueError as exc:
+            flag = "--kv-cache-dtype" if "kv_dtype" in str(exc) else "--dtype"
+            raise StartupError(f"{flag}: not for the tiny model ({exc})") from exc
     from hicache.runtime.model.loader import load_model
 
     try:
-        loaded = load_model(None if spec == "default" else Path(spec))
+        loaded = load_model(None if spec == "default" else Path(spec), dtype=dtype, kv_dtype=kv_dtype)
     except (OSError, ValueError) as exc:
         raise StartupError(f"--model {spec}: cannot load it ({exc})") from exc
     config = loaded.model.config
@@ -158,6 +173,8 @@ class PrefillOptions:
     layer_groups: int = DEFAULT_LAYER_GROUPS  # KV leaves in this many layer groups; 0: after prefill
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS  # a prompt computes in chunks of at most this
     step_tokens: int = DEFAULT_STEP_TOKENS  # tokens of one step's chunks together
+    dtype: str = "auto"  # what the model computes in (--dtype); auto: the checkpoint's
+    kv_cache_dtype: str = "auto"  # what K/V is kept in (--kv-cache-dtype); auto: the model's dtype
 
 
 @attrs.frozen
@@ -185,6 +202,12 @@ class DecodeOptions:
     tp_argv: tuple[str, ...] = ()
     collective_timeout: float = 5.0
     command_log: Path | None = None  # a folder: each rank's commands in rank<R>.log
+    dtype: str = "auto"  # what the model computes in (--dtype); auto: the checkpoint's
+    kv_cache_dtype: str = "auto"  # what K/V is kept in (--kv-cache-dtype); auto: the model's dtype
+    # L1 sized from memory once a page's bytes are known (`runtime/kv/l1_sizing.py`); 0: --l1-pages.
+    max_total_tokens: int = 0
+    mem_fraction_static: float = 0.0
+    l2_ratio: float | None = None  # L2 follows a resized L1 at this ratio; None: L2 as configured
 
 
 def _secret(path: Path | None) -> ClusterSecret:
@@ -211,8 +234,8 @@ async def run_prefill(opts: PrefillOptions) -> None:
     secret = _secret(opts.secret_file)
     await _check_listen(opts.host, opts.port)  # before the model loads
     engine = make_engine(opts.engine, f"prefill-{opts.engine}-{os.getpid()}", secret, opts.host)
-    model, _ = build_model(opts.model)
-    layout = layout_for(model.config, opts.page_size)
+    model, _ = build_model(opts.model, opts.dtype, opts.kv_cache_dtype)
+    layout = model_layout(model, opts.page_size)
     store = None
     if opts.storage_dir is not None:  # as the decode nodes open it: same files, same MAC key
         try:
@@ -333,7 +356,7 @@ async def run_decode(opts: DecodeOptions) -> None:
     _api_keys(opts.api_keys)
     if opts.tp_rank == 0:
         await _check_listen(opts.host, opts.port)
-    model, model_name = build_model(opts.model)
+    model, model_name = build_model(opts.model, opts.dtype, opts.kv_cache_dtype)
     group = _tp_group(opts, model)
     try:
         await _run_decode(opts, model, model_name, group)
@@ -346,8 +369,8 @@ async def _run_decode(opts: DecodeOptions, model: LlamaModel, model_name: str, g
     rank = 0 if group is None else group.rank
     if group is not None:
         model = shard_model(model, rank, group.size, group.all_reduce_sum)
-    layout = layout_for(model.config, opts.core.page_size)
-    core = opts.core
+    layout = model_layout(model, opts.core.page_size)
+    core = _sized_l1(opts, layout)
     if opts.l2_gigabytes > 0:  # --hicache-size: GB of host memory, in this model's pages
         l2 = l2_pages(
             core.l1_pages, core.page_size, l2_bytes=opts.l2_gigabytes * 1e9, page_bytes=layout.page_bytes
@@ -419,6 +442,27 @@ async def _run_decode(opts: DecodeOptions, model: LlamaModel, model_name: str, g
             logging.getLogger("hicache.runtime.decode").warning(
                 "no --api-keys: every client may name its tenant and run admin operations"
             )
+
+
+def _sized_l1(opts: DecodeOptions, layout: KVLayout) -> DecodeConfig:
+    """The core's config with L1 sized from memory (`--max-total-tokens`, `--mem-fraction-static`)
+    when either is given, and L2 following it at `l2_ratio`."""
+    core = opts.core
+    try:
+        pages = l1_pages_for(
+            page_size=core.page_size,
+            page_bytes=layout.page_bytes,
+            max_total_tokens=opts.max_total_tokens,
+            mem_fraction_static=opts.mem_fraction_static,
+        )
+    except SizingError as exc:
+        raise StartupError(str(exc)) from None
+    if pages is None:
+        return core
+    l2 = core.l2_pages
+    if opts.l2_ratio is not None:
+        l2 = l2_pages(pages, core.page_size, hicache_ratio=opts.l2_ratio)
+    return attrs.evolve(core, l1_pages=pages, l2_pages=l2)
 
 
 def main_prefill(opts: PrefillOptions) -> int:

@@ -62,6 +62,8 @@ SUPERVISED_TRANSFER_RETRIES = 12
 @attrs.frozen
 class ServeOptions:
     model: str = "default"  # "default", a GGUF file or a Hugging Face folder
+    dtype: str = "auto"  # both nodes' --dtype
+    kv_cache_dtype: str = "auto"  # both nodes' --kv-cache-dtype (they must agree)
     host: str = "127.0.0.1"
     port: int = 0
     engine: str = "tcp"
@@ -170,6 +172,7 @@ def context_limit(opts: ServeOptions, model_context: int | None) -> int:
 
 def _node_args(opts: ServeOptions) -> list[str]:
     args = ["--engine", opts.engine, "--page-size", str(opts.page_size), "--model", opts.model]
+    args += ["--dtype", opts.dtype, "--kv-cache-dtype", opts.kv_cache_dtype]
     # The nodes share this machine's cores: a thread of one waiting on a core another keeps busy
     # would stall every step of its model at the next barrier.
     started = (0 if opts.prefill else opts.prefill_nodes) + opts.decode_nodes

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import threading
 
 import numpy as np
@@ -88,6 +89,24 @@ def test_bad_layouts_are_rejected(kwargs: dict[str, object], needle: str) -> Non
 
 
 # --------------------------------------------------------------------------------------- pools
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads Linux's /proc")
+def test_a_lazy_pool_is_zeroed_and_holds_memory_only_where_written() -> None:
+    layout = KVLayout(4, 2, 64, 16, "bfloat16")  # 32 KiB pages
+    before = _rss()
+    pool = KVPool(layout, 2048, name="L2", lazy=True)  # 64 MiB
+    assert _rss() - before < 8 << 20  # nothing touched yet
+    assert not pool.data.any()  # zeros everywhere (reading maps the shared zero page)
+    assert pool.bytes_view().data_ptr() == pool.data.data_ptr() == pool.words_view().data_ptr()
+    pool.data[:1024].fill_(1.0)
+    assert _rss() - before >= 30 << 20  # the half written is held
+    assert (pool.data[:1024] == 1).all() and not pool.data[1024:].any()
 
 
 def test_views_share_storage_and_pages_are_prefaulted() -> None:

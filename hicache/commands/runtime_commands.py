@@ -84,6 +84,8 @@ def run_node(args: argparse.Namespace) -> int:
                 layer_groups=args.layer_groups,
                 chunk_tokens=args.chunked_prefill_size,
                 step_tokens=args.max_prefill_tokens,
+                dtype=args.dtype,
+                kv_cache_dtype=args.kv_cache_dtype,
             )
             return nodes.main_prefill(opts)
         return nodes.main_decode(decode_options(args, model))
@@ -128,6 +130,11 @@ def decode_options(args: argparse.Namespace, model: TinyConfig | str) -> DecodeO
         tp_argv=args.argv,
         collective_timeout=args.collective_timeout,
         command_log=args.command_log,
+        dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
+        max_total_tokens=args.max_total_tokens,
+        mem_fraction_static=args.mem_fraction_static,
+        l2_ratio=cache_flags.l2_ratio(args),
     )
 
 
@@ -219,6 +226,8 @@ def run_serve(args: argparse.Namespace) -> int:
     opts = ServeOptions(
         log_level=args.log_level,
         model=args.model,
+        dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
         host=args.host,
         port=args.port,
         engine=args.engine,

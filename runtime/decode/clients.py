@@ -336,4 +336,4 @@ def whole_kv(layout: KVLayout, live: Live) -> bytes:
     dtype = layout.torch_dtype
     parts = [live.start_kv, *(r["kv"] for r in live.ranks)]
     tensors = [torch.frombuffer(bytearray(p), dtype=dtype).view(shape) for p in parts]
-    return torch.cat(tensors, dim=3).contiguous().numpy().tobytes()
+    return torch.cat(tensors, dim=3).contiguous().view(torch.uint8).numpy().tobytes()

@@ -125,7 +125,7 @@ class DecodeService:
         secret = secret if secret is not None else ClusterSecret.load()
         # Past the core's pages: the decode steps' scratch pages (`Batch`), never the core's.
         self.l1 = KVPool(layout, config.l1_pages + SCRATCH_PAGES, device=device, name="L1")
-        self.l2 = KVPool(layout, max(config.l2_pages, 1), name="L2")
+        self.l2 = KVPool(layout, max(config.l2_pages, 1), name="L2", lazy=True)  # filled by backups
         self.region = engine.register("L1", self.l1.bytes_view())
         self.check_pages = self.faults is not None if check_pages is None else check_pages
         guard = PageGuard(self.l2) if self.check_pages else None

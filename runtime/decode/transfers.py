@@ -142,7 +142,9 @@ class Transfers:
                 log.warning("transfer %d failed: %s", c.transfer, reason)
         if not reason:  # always: a page that is not what prefill sent is never served
             fault.received(self.l1, dst)
-            reason = self._check_received(dst, reply["digests"], c.start // page)
+            # Hashing the pages reads all their bytes: a worker thread does it, off the loop.
+            got = await trio.to_thread.run_sync(self._digests, dst)
+            reason = self._check_received(got, reply["digests"], c.start // page)
         if reason and not arrived.is_set() and not await self._fence(c.transfer, answered=bool(reply)):
             # Its bytes may still land: the request fails and its pages stay with the transfer.
             self.abandoned += 1
@@ -210,10 +212,14 @@ class Transfers:
             return f"prefill's answer: field 'first_token' must be a token id, got {protocol.show(token)}"
         return ""
 
-    def _check_received(self, dst: list[int], digests: list[str], first: int) -> str:
-        """Why the pages a transfer wrote are not what prefill says it sent ("" if they are)."""
+    def _digests(self, dst: list[int]) -> list[str]:
+        return [page_digest(self.l1.data[d]) for d in dst]
+
+    def _check_received(self, got: list[str], digests: list[str], first: int) -> str:
+        """Why the pages a transfer wrote (digests `got`) are not what prefill says it sent ("" if
+        they are)."""
         for j, digest in enumerate(digests):
-            if page_digest(self.l1.data[dst[j]]) != digest:
+            if got[j] != digest:
                 self.faults.rejected()
                 return f"received page {first + j} differs from what prefill sent"
         return ""

@@ -1,13 +1,18 @@
 """One tier's KV pages as a single preallocated torch tensor.
 
 The core hands out page indices ("slots"); a pool maps a slot to its page of memory. All pages
-live in one tensor so a batch of pages moves with one gather/scatter, and the tensor is allocated
-and touched once at start-up: first-touch page faults cost ~15x a warm copy, so they must not land
-on the first restore.
+live in one tensor so a batch of pages moves with one gather/scatter. A pool whose first writes
+are on a request's critical path (the decode node's L1: restores and transfers land there) is
+touched once at start-up: first-touch page faults cost ~15x a warm copy, so they must not land
+on the first restore. A pool written only off that path, or by work that costs far more than the
+faults (L2, filled by backups; prefill's pools, filled by the forward), can be `lazy`: anonymous
+memory the kernel hands out zeroed page by page as it is first written, so the process holds
+only what the tier uses (its RSS grows to the pool's size as the tier fills).
 """
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Sequence
 
 import attrs
@@ -47,6 +52,7 @@ class KVPool:
     data: torch.Tensor = attrs.field(repr=False)
     _bytes: torch.Tensor = attrs.field(repr=False)
     _words: torch.Tensor = attrs.field(repr=False)
+    _mapping: mmap.mmap | None = attrs.field(repr=False)  # a lazy pool's memory, kept alive here
 
     def __init__(
         self,
@@ -56,6 +62,7 @@ class KVPool:
         device: str | torch.device = "cpu",
         pinned: bool | None = None,
         name: str = "",
+        lazy: bool = False,
     ) -> None:
         if not isinstance(layout, KVLayout):
             raise TypeError(f"KVPool.layout: expected a KVLayout, got {type(layout).__name__}")
@@ -69,7 +76,16 @@ class KVPool:
         if pinned and not torch.cuda.is_available():
             raise ValueError("KVPool.pinned: pinning host memory needs CUDA, and torch sees no CUDA device")
         shape = (num_pages, *layout.page_shape)
-        data = torch.empty(shape, dtype=layout.torch_dtype, device=dev, pin_memory=bool(pinned))
+        self._mapping: mmap.mmap | None = None
+        lazy = lazy and dev.type == "cpu" and not pinned  # pinning touches every page anyway
+        if lazy:
+            # Zero-filled by the kernel on first touch: finite values everywhere, as attention
+            # needs of the slots it reads and masks, without touching a page now.
+            self._mapping = mmap.mmap(-1, num_pages * layout.page_bytes)
+            raw = torch.frombuffer(self._mapping, dtype=torch.uint8)
+            data = raw.view(layout.torch_dtype).view(shape)
+        else:
+            data = torch.empty(shape, dtype=layout.torch_dtype, device=dev, pin_memory=bool(pinned))
         flat = data.view(num_pages, layout.page_elems)
         self.layout = layout
         self.num_pages = num_pages
@@ -79,7 +95,8 @@ class KVPool:
         self.data = data
         self._bytes = flat.view(torch.uint8)
         self._words = self._bytes.view(torch.int64)
-        self._words.zero_()  # pre-fault every page now, not during the first copy
+        if not lazy:
+            self._words.zero_()  # pre-fault every page now, not during the first copy
 
     @property
     def is_cuda(self) -> bool:

@@ -42,8 +42,26 @@ def read_metadata(reader: Any) -> dict[str, Any]:
     return {name: field.contents() for name, field in reader.fields.items()}
 
 
+def native_dtype(tensors: dict[str, Any]) -> str:
+    """The dtype a GGUF file's matrices are stored in, as the model computes in by default
+    (`--dtype auto`): float32 / float16 / bfloat16 as stored; a quantized file (Q4_1, Q8_0, ...)
+    is dequantized to bfloat16, the dtype its checkpoint was trained and released in for the
+    models this runs (SmolLM2, Llama 3, Qwen2.5), and half the bytes of float32."""
+    import gguf
+
+    kinds = {t.tensor_type for name, t in tensors.items() if name.endswith("attn_q.weight")}
+    plain = {
+        gguf.GGMLQuantizationType.F32: "float32",
+        gguf.GGMLQuantizationType.F16: "float16",
+        gguf.GGMLQuantizationType.BF16: "bfloat16",
+    }
+    names = {plain.get(k, "bfloat16") for k in kinds}
+    return names.pop() if len(names) == 1 else "bfloat16"
+
+
 def read_gguf(path: Path, *, dtype: str) -> tuple[LlamaConfig, LlamaWeights, dict[str, Any]]:
-    """`(config, weights, metadata)` of the model in the GGUF file at `path`, in `dtype`."""
+    """`(config, weights, metadata)` of the model in the GGUF file at `path`, in `dtype`
+    ("auto": `native_dtype`)."""
     import gguf  # numpy only, but not needed by the tiny model's users
     from gguf.quants import dequantize
 
@@ -79,6 +97,8 @@ def read_gguf(path: Path, *, dtype: str) -> tuple[LlamaConfig, LlamaWeights, dic
     if rope_dims != head_dim:
         raise ValueError(f"{path}: partial RoPE ({rope_dims} of {head_dim} dims) is not supported")
     tied = "output.weight" not in tensors
+    if dtype == "auto":
+        dtype = native_dtype(tensors)
     config = LlamaConfig(
         layers=int(need("block_count")),
         q_heads=q_heads,

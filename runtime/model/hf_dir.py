@@ -63,8 +63,16 @@ def _rope(path: Path, cfg: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     raise ValueError(f"{path}: rope type {kind!r} is not supported; expected default, linear or llama3")
 
 
+def native_dtype(cfg: dict[str, Any]) -> str:
+    """The dtype config.json says the checkpoint is in (`torch_dtype`, or `dtype` in newer
+    files): what the model computes in by default (`--dtype auto`); float32 when it says none."""
+    name = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
+    return {"float": "float32", "half": "float16", "bf16": "bfloat16"}.get(str(name), str(name))
+
+
 def read_hf_dir(root: Path, *, dtype: str) -> tuple[LlamaConfig, LlamaWeights, dict[str, Any]]:
-    """`(config, weights, config.json)` of the checkpoint in `root`, in `dtype`."""
+    """`(config, weights, config.json)` of the checkpoint in `root`, in `dtype` ("auto":
+    `native_dtype`)."""
     from safetensors import safe_open
 
     cfg = read_config(root)
@@ -83,6 +91,8 @@ def read_hf_dir(root: Path, *, dtype: str) -> tuple[LlamaConfig, LlamaWeights, d
     handles = [safe_open(str(f), framework="pt") for f in files]
     where = {name: h for h in handles for name in h.keys()}  # noqa: SIM118 (safe_open is no dict)
     tied = bool(cfg.get("tie_word_embeddings", False)) or "lm_head.weight" not in where
+    if dtype == "auto":
+        dtype = native_dtype(cfg)
     config = LlamaConfig(
         layers=int(cfg["num_hidden_layers"]),
         q_heads=q_heads,

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from hicache.runtime.model.attention import attend
+from hicache.runtime.model.attention import attend, attend_last
 
 
 class ContiguousKV:
@@ -27,7 +27,7 @@ class ContiguousKV:
             k = torch.cat((self.past_kv[layer, 0], k), dim=0)
             v = torch.cat((self.past_kv[layer, 1], v), dim=0)
         queries_from = k.shape[0] - 1 if rows is not None else self.past_len
-        return attend(q, k, v, queries_from)
+        return attend(q, k.to(q.dtype), v.to(q.dtype), queries_from)
 
 
 class PagedKV:
@@ -51,6 +51,7 @@ class PagedKV:
         self.pool = pool
         self.batch = len(counts)
         self.ends = [s + n for s, n in zip(starts, counts, strict=True)]  # keys 0 .. end-1
+        self.ends_tensor = torch.tensor(self.ends, dtype=torch.int64)
         positions = torch.cat([torch.arange(s, e) for s, e in zip(starts, self.ends, strict=True)])
         self.positions = positions
         self.write_pages = torch.tensor(
@@ -88,8 +89,9 @@ class PagedKV:
             self.grid_i = torch.arange(int(offsets[-1])) - offsets[:-1][self.grid_b]
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.pool[self.write_pages, layer, 0, self.write_slots] = k
-        self.pool[self.write_pages, layer, 1, self.write_slots] = v
+        dtype = self.pool.dtype
+        self.pool[self.write_pages, layer, 0, self.write_slots] = k.to(dtype)
+        self.pool[self.write_pages, layer, 1, self.write_slots] = v.to(dtype)
 
     def last_rows(self) -> torch.Tensor:
         """Flat indices of each request's last new row: only those need logits."""
@@ -100,19 +102,16 @@ class PagedKV:
         # One gather of whole contiguous rows (a page's K or V for one layer) into (2, B, L, ...).
         which = (self.page_rows + 2 * layer).view(-1)
         kv = torch.index_select(self.rows_view, 0, which).view(2, b, self.key_len, heads, dim)
-        k, v = kv[0], kv[1]
+        k, v = kv[0].to(q.dtype), kv[1].to(q.dtype)  # the pool's K/V dtype may differ from the model's
         if b == 1:
             # One sequence: exactly its keys, and the same attention call as the contiguous path.
             end = self.ends[0]
             return attend(q, k[0, :end], v[0, :end], end - q.shape[0])
-        k, v = k.transpose(1, 2), v.transpose(1, 2)  # (B, kv_heads, L, head_dim)
-        key_pos = torch.arange(self.key_len)
         if rows is not None or self.single_rows:
             # One query per request: its last new position sees every key up to it.
-            q_pos = torch.tensor(self.ends) - 1
-            mask = key_pos[None, None, None, :] <= q_pos[:, None, None, None]  # (B, 1, 1, L)
-            out = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask, enable_gqa=True)
-            return out[:, :, 0].reshape(b, -1)
+            return attend_last(q, k, v, self.ends_tensor)
+        k, v = k.transpose(1, 2), v.transpose(1, 2)  # (B, kv_heads, L, head_dim)
+        key_pos = torch.arange(self.key_len)
         grid = q.new_zeros((b, self.max_rows, *q.shape[1:]))
         grid[self.grid_b, self.grid_i] = q
         q_pos = torch.tensor(self.ends)[:, None] - 1 + torch.zeros(1, self.max_rows, dtype=torch.int64)

@@ -43,6 +43,7 @@ from hicache.runtime.model.kv_pages import from_pages, to_pages
 from hicache.runtime.model.kv_places import ContiguousKV, PagedKV
 from hicache.runtime.model.llama_config import (
     DTYPES,
+    KV_DTYPES,
     MODEL_DTYPES,
     ROPE_KINDS,
     LlamaConfig,
@@ -50,11 +51,13 @@ from hicache.runtime.model.llama_config import (
     TinyConfig,
 )
 from hicache.runtime.model.llama_weights import LlamaLayer, LlamaWeights, build_layer, tiny_weights
+from hicache.runtime.model.packed_matrix import PackedMatrix
 from hicache.runtime.model.paged_inputs import check_batch_size, check_paged, check_pool
 
 # The model's public names, wherever they are defined: importers name `llama` alone.
 __all__ = [
     "DTYPES",
+    "KV_DTYPES",
     "MODEL_DTYPES",
     "ROPE_KINDS",
     "LlamaConfig",
@@ -78,27 +81,82 @@ def greedy_token(logits: torch.Tensor) -> int:
     return int(torch.argmax(logits).item())
 
 
+class _Block:
+    """One layer as the forward uses it: its four matrices packed once for the CPU's matmul
+    kernel (`PackedMatrix`), its norms and bias as they are."""
+
+    __slots__ = ("attn_norm", "gate_up", "mlp_norm", "qkv", "qkv_bias", "w_down", "wo")
+
+    def __init__(self, layer: LlamaLayer) -> None:
+        self.attn_norm, self.mlp_norm, self.qkv_bias = layer.attn_norm, layer.mlp_norm, layer.qkv_bias
+        self.qkv = PackedMatrix(layer.qkv)
+        self.wo = PackedMatrix(layer.wo)
+        self.gate_up = PackedMatrix(layer.gate_up)
+        self.w_down = PackedMatrix(layer.w_down)
+
+    def layer(self) -> LlamaLayer:
+        return LlamaLayer(
+            attn_norm=self.attn_norm,
+            qkv=self.qkv.dense(),
+            qkv_bias=self.qkv_bias,
+            wo=self.wo.dense(),
+            mlp_norm=self.mlp_norm,
+            gate_up=self.gate_up.dense(),
+            w_down=self.w_down.dense(),
+        )
+
+
 class LlamaModel:
     """A Llama-family decoder, CPU, no autograd; forward passes over contiguous or paged K/V.
 
-    `eos_token_ids` are the tokens that end a generation (empty for random weights).
+    `eos_token_ids` are the tokens that end a generation (empty for random weights). `kv_dtype`
+    is the dtype K/V is kept in (a name from `KV_DTYPES`; default: the model's own dtype): each
+    layer's new K and V are rounded to it when stored, and attention reads them back from it, so
+    a pool of that dtype holds exactly what every later position attended to.
     """
 
     def __init__(
-        self, config: LlamaConfig, weights: LlamaWeights, *, eos_token_ids: Iterable[int] = ()
+        self,
+        config: LlamaConfig,
+        weights: LlamaWeights,
+        *,
+        eos_token_ids: Iterable[int] = (),
+        kv_dtype: str | None = None,
     ) -> None:
         if not isinstance(config, LlamaConfig):
             raise TypeError(f"config: expected a LlamaConfig, got {type(config).__name__}")
         if len(weights.layers) != config.layers:
             raise ValueError(f"weights: expected {config.layers} layers, got {len(weights.layers)}")
+        kv_name = config.dtype if kv_dtype is None else kv_dtype
+        if kv_name not in KV_DTYPES:
+            raise ValueError(f"kv_dtype: expected one of {sorted(KV_DTYPES)}, got {kv_dtype!r}")
         self.config = config
-        self.weights = weights
+        self.kv_dtype_name: str = kv_name
+        self.kv_dtype: torch.dtype = KV_DTYPES[kv_name]
         self.eos_token_ids: frozenset[int] = frozenset(int(t) for t in eos_token_ids)
+        # The forward's own copy of the weights, matrices packed; `weights` gives them back.
+        self._embed, self._final_norm = weights.embed, weights.final_norm
+        self._blocks = tuple(_Block(layer) for layer in weights.layers)
+        self._head = PackedMatrix(weights.head)
+        self._tied = weights.head.data_ptr() == weights.embed.data_ptr()
+        self._weights = None if self._head.packed else weights
         self._inv_freq = rope_inv_freq(config)  # (head_dim / 2,), float64
         # Tensor parallelism (`runtime/model/tp_model.py`): the sum over ranks of the row-split
         # o_proj and down projections' partial outputs; None on a whole model.
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.full_config: LlamaConfig = config  # the whole model's, also on a rank's part
+
+    @property
+    def weights(self) -> LlamaWeights:
+        """Every weight in the `LlamaWeights` layout. With packed matrices (float32 and bfloat16
+        on a CPU with oneDNN) they are unpacked into new tensors on each call, bit for bit: for
+        sharding and checks, not for the forward."""
+        if self._weights is not None:
+            return self._weights
+        embed = self._embed
+        head = embed.t() if self._tied else self._head.dense()
+        layers = tuple(block.layer() for block in self._blocks)
+        return LlamaWeights(embed=embed, layers=layers, final_norm=self._final_norm, head=head)
 
     def parameters(self) -> dict[str, torch.Tensor]:
         """Every weight by name (views, not copies): for comparing models and checksums."""
@@ -141,14 +199,14 @@ class LlamaModel:
         layer only rows `last` go on (nothing after the last K/V needs the others). `on_layer(i)`
         is called once layer i's K/V is stored (prefill ships it from there, layer by layer).
         """
-        cfg, w = self.config, self.weights
+        cfg = self.config
         q_width, kv_width = cfg.q_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
         n = tokens.shape[0]
         cos, sin = self._rope(positions)
-        x = w.embed[tokens]  # (n, hidden)
-        for index, layer in enumerate(w.layers):
+        x = self._embed[tokens]  # (n, hidden)
+        for index, layer in enumerate(self._blocks):
             h = rms_norm(x, layer.attn_norm, cfg.rms_eps)
-            qkv = h @ layer.qkv
+            qkv = layer.qkv(h)
             if layer.qkv_bias is not None:
                 qkv = qkv + layer.qkv_bias
             q, k, v = qkv.split((q_width, kv_width, kv_width), dim=1)
@@ -161,15 +219,18 @@ class LlamaModel:
                 rows = last
                 x, q, cos, sin = x[last], q[last], cos[last], sin[last]
             q = apply_rope(q.reshape(-1, cfg.q_heads, cfg.head_dim), cos, sin)
-            attn = kv.attend(index, q, rows) @ layer.wo
+            attn = layer.wo(kv.attend(index, q, rows))
             x = x + (attn if self.reduce is None else self.reduce(attn))
             h = rms_norm(x, layer.mlp_norm, cfg.rms_eps)
-            gate, up = (h @ layer.gate_up).split(cfg.ffn, dim=1)
-            mlp = (F.silu(gate) * up) @ layer.w_down
+            gate, up = layer.gate_up(h).split(cfg.ffn, dim=1)
+            mlp = layer.w_down(F.silu(gate) * up)
             x = x + (mlp if self.reduce is None else self.reduce(mlp))
         if last.shape[0] < x.shape[0]:
             x = x[last]
-        return rms_norm(x, w.final_norm, cfg.rms_eps) @ w.head
+        logits = self._head(rms_norm(x, self._final_norm, cfg.rms_eps))
+        # Sampling works in float32 at least: a bf16 logit has 8 bits of mantissa, too few to
+        # tell near-equal tokens apart by anything but rounding.
+        return logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # Angles are computed per position from exact integer positions, so a position gets the
@@ -195,7 +256,7 @@ class LlamaModel:
         tokens = self._check_tokens(tokens)
         past_len = self._check_past(past_kv, past_len)
         n = tokens.shape[0]
-        kv_new = torch.empty(cfg.kv_shape(n), dtype=cfg.torch_dtype)
+        kv_new = torch.empty(cfg.kv_shape(n), dtype=self.kv_dtype)
         positions = torch.arange(past_len, past_len + n)
         logits = self._run(tokens, positions, ContiguousKV(past_kv, past_len, kv_new), torch.tensor([n - 1]))
         return kv_new, logits[0]
@@ -223,10 +284,10 @@ class LlamaModel:
         if not isinstance(past_kv, torch.Tensor):
             raise TypeError(f"past_kv: expected a torch.Tensor or None, got {type(past_kv).__name__}")
         length = past_kv.shape[2] if past_kv.dim() == 5 else -1
-        if tuple(past_kv.shape) != cfg.kv_shape(length) or past_kv.dtype != cfg.torch_dtype:
+        if tuple(past_kv.shape) != cfg.kv_shape(length) or past_kv.dtype != self.kv_dtype:
             raise ValueError(
                 f"past_kv: expected shape {cfg.kv_shape(-1)} with -1 the past length and dtype "
-                f"{cfg.torch_dtype}, got shape {tuple(past_kv.shape)} dtype {past_kv.dtype}"
+                f"{self.kv_dtype}, got shape {tuple(past_kv.shape)} dtype {past_kv.dtype}"
             )
         if past_len is not None and past_len != length:
             raise ValueError(f"past_len: expected the length of past_kv ({length}), got {past_len}")
@@ -287,7 +348,7 @@ class LlamaModel:
         pages in place, and the logits `(B, vocab)` of each request's last new token come back.
         Every argument is checked first (`check_paged`): a `ValueError` names the bad one.
         """
-        rows = check_paged(self.config, pool, page_tables, starts, tokens)
+        rows = check_paged(self.config, pool, page_tables, starts, tokens, self.kv_dtype)
         flat = torch.tensor([t for row in rows.tokens for t in row], dtype=torch.int64)
         return self._paged(pool, rows.tables, rows.starts, [len(t) for t in rows.tokens], flat, on_layer)
 
@@ -310,7 +371,7 @@ class LlamaModel:
         of the node's own, one per request, and positions are the node's count of each request's
         K/V, covered by its page table. Values nobody vouched for go through `forward_paged`.
         """
-        check_pool(self.config, pool)
+        check_pool(self.config, pool, self.kv_dtype)
         if not isinstance(tokens, Sequence | torch.Tensor):
             raise TypeError(f"tokens: expected a sequence of ints, got {type(tokens).__name__}")
         check_batch_size(page_tables, positions, tokens)
@@ -349,6 +410,6 @@ class LlamaModel:
 class TinyModel(LlamaModel):
     """Seeded random weights: the exact tests' model. Equal configs give bit-identical weights."""
 
-    def __init__(self, config: TinyConfig | None = None) -> None:
+    def __init__(self, config: TinyConfig | None = None, *, kv_dtype: str | None = None) -> None:
         cfg = config if config is not None else TinyConfig()
-        super().__init__(cfg, tiny_weights(cfg))
+        super().__init__(cfg, tiny_weights(cfg), kv_dtype=kv_dtype)

@@ -11,6 +11,8 @@ import torch
 # What `TinyConfig` accepts; a real model may also run in half precision.
 DTYPES: dict[str, torch.dtype] = {"float64": torch.float64, "float32": torch.float32}
 MODEL_DTYPES: dict[str, torch.dtype] = {**DTYPES, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# What K/V may be kept in (`--kv-cache-dtype`); float64 only for the float64 tiny model.
+KV_DTYPES: dict[str, torch.dtype] = {**MODEL_DTYPES}
 ROPE_KINDS = ("linear", "llama3", "factors")
 
 

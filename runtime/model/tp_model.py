@@ -85,7 +85,9 @@ def shard_model(
         final_norm=w.final_norm,
         head=w.head,
     )
-    part = LlamaModel(shard_config(full, size), weights, eos_token_ids=model.eos_token_ids)
+    part = LlamaModel(
+        shard_config(full, size), weights, eos_token_ids=model.eos_token_ids, kv_dtype=model.kv_dtype_name
+    )
     part.reduce = reduce
     part.full_config = full
     return part

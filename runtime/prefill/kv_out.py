@@ -120,8 +120,11 @@ class KVOut:
                 if state is not XferState.DONE:
                     raise RuntimeError(f"transfer {state}: {self.engine.reason(handle)}")
 
-    def digests(self) -> list[str]:
-        return page_digests(self.staging[self.idx]) if self.parts else []
+    async def digests(self) -> list[str]:
+        """Hashing reads every byte of the pages: a worker thread does it, off the loop."""
+        if not self.parts:
+            return []
+        return await trio.to_thread.run_sync(page_digests, self.staging[self.idx])
 
     async def settle(self) -> bool:
         """Settle every WRITE posted (also when cancelled); False if one did not in time (its

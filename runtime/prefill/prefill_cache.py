@@ -170,8 +170,8 @@ class PrefillCache:
         compute)."""
         self.model = model
         self.layout = layout
-        self.l1 = KVPool(layout, l1_pages, name="prefill-L1")
-        self.l2 = KVPool(layout, l2_pages, name="prefill-L2") if l2_pages > 0 else None
+        self.l1 = KVPool(layout, l1_pages, name="prefill-L1", lazy=True)
+        self.l2 = KVPool(layout, l2_pages, name="prefill-L2", lazy=True) if l2_pages > 0 else None
         self.planner = PrefillPlanner(
             "prefill", l1_pages, l2_pages, layout.page_size, eviction=eviction, copy_backup=self._copy_backup
         )

@@ -111,7 +111,7 @@ class PrefillNode:
         self.model = model
         self.layout = layout
         self.engine = engine
-        self.staging = KVPool(layout, staging_pages, name="prefill-staging")
+        self.staging = KVPool(layout, staging_pages, name="prefill-staging", lazy=True)
         self.region = engine.register("staging", self.staging.bytes_view())
         self._parts = head_parts(self.staging, engine)  # TP: pages of 1/d of the heads
         self.transfer_timeout = transfer_timeout

@@ -225,7 +225,7 @@ class Stepper:
                     raise RuntimeError("the prompt was dropped before it was computed")
                 done = self._finish(p)
                 p.out.close()
-            return done, p.out.digests()
+            return done, await p.out.digests()
         finally:
             with trio.CancelScope(shield=True):
                 if self.sched.cancel(p.key):
