@@ -51,7 +51,12 @@ import trio
 
 from hicache.runtime.kv.kv_layout import KVLayout
 from hicache.runtime.kv.kv_pool import KVPool, PageIndices
-from hicache.runtime.security.cluster_secret import SECRET_ENV, UntrustedSecret, ensure_secret_file
+from hicache.runtime.security.cluster_secret import (
+    SECRET_ENV,
+    UntrustedSecret,
+    ensure_secret_file,
+    env_secret,
+)
 from hicache.runtime.storage.base import Progress, StoreStats, check_batch, key_values
 from hicache.runtime.storage.file_io import (
     CREATE_FLAGS,
@@ -219,9 +224,12 @@ class FileStore:
         (when the key file cannot be used) a random key of this store alone."""
         if secret is not None:
             return (secret.encode() if isinstance(secret, str) else secret), "argument"
-        env = os.environ.get(SECRET_ENV, "").strip()  # stripped like the key file's contents
-        if env:
-            return env.encode(), SECRET_ENV
+        try:
+            env = env_secret()  # stripped like the key file's contents
+        except UntrustedSecret as exc:
+            raise ValueError(f"FileStore: {exc}") from None
+        if env is not None:
+            return env, SECRET_ENV
         path = self.root / KEY_FILE
         try:
             return ensure_secret_file(path), str(path)
