@@ -66,13 +66,16 @@ class ServeOptions:
     record_trace: Path | None = None  # record the requests served into this new file from the start
     record_trace_dir: Path | None = None  # where /start_trace_recording may write (default: its folder)
     record_block_size: int = 512  # tokens per hash id in a recorded trace (Mooncake's 512)
+    shared_open_cache: bool = False  # without --api-keys: every caller in one cache namespace
+    special_tokens_in_content: bool = False  # special tokens typed in chat messages stay special
 
 
 class Codec:
     """The model's tokenizer as the front door's `TextCodec`."""
 
-    def __init__(self, tokenizer: ChatTokenizer) -> None:
+    def __init__(self, tokenizer: ChatTokenizer, *, special_tokens_in_content: bool = False) -> None:
         self.tokenizer = tokenizer
+        self.special_tokens_in_content = special_tokens_in_content
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
@@ -83,7 +86,11 @@ class Codec:
     def apply_chat_template(
         self, messages: list[dict[str, str]], add_generation_prompt: bool = True
     ) -> list[int]:
-        return self.tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt)
+        return self.tokenizer.encode_chat(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            special_tokens_in_content=self.special_tokens_in_content,
+        )
 
 
 def load_tokenizer(model: str) -> tuple[ChatTokenizer, str]:
@@ -147,7 +154,25 @@ async def serve(opts: ServeOptions, task_status: trio.TaskStatus[dict] = trio.TA
             if len(each) > 1:
                 backend = RoutedBackend(each, Router(opts.router, len(each)))
             recorder = await _recorder(opts, name, decode_at, admin_key, len(prefill_at) or None)
-            app = create_app(backend, Codec(tokenizer), model_name=name, api_keys=keys, recorder=recorder)
+            codec = Codec(tokenizer, special_tokens_in_content=opts.special_tokens_in_content)
+            app = create_app(
+                backend,
+                codec,
+                model_name=name,
+                api_keys=keys,
+                recorder=recorder,
+                shared_open_cache=opts.shared_open_cache,
+            )
+            if keys is None:
+                log.warning(
+                    "no --api-keys: any client that reaches %s:%s may generate, flush the cache and "
+                    "record traces; %s",
+                    opts.host,
+                    opts.port,
+                    "all callers share one cache namespace (--shared-open-cache)"
+                    if opts.shared_open_cache
+                    else "each caller's cache is its own (by bearer token, else address)",
+                )
             async with trio.open_nursery() as nursery:
                 port = await nursery.start(serve_http, app, opts.host, opts.port)
                 host = f"[{opts.host}]" if ":" in opts.host else opts.host

@@ -644,6 +644,31 @@ async def test_api_keys_name_the_tenant_and_guard_admin_routes() -> None:
         assert r.status_code == 200 and backend.requests[-1].tenant == "acme"
 
 
+async def test_an_open_door_keeps_each_callers_cache_apart_unless_told() -> None:
+    """Issue 30, finding 10: without keys every caller shared one cache namespace, so one could
+    time another's prompts. Each caller now has a tenant of its own (its bearer token's hash,
+    else its address; the token never shows); `shared_open_cache` puts them back together."""
+    body = {"text": "hi", "sampling_params": {"max_new_tokens": 1}}
+
+    def as_caller(token: str | None) -> dict[str, str]:
+        return {} if token is None else {"Authorization": f"Bearer {token}"}
+
+    async with live() as (url, backend), httpx2.AsyncClient(base_url=url) as c:
+        tenants = []
+        for token in ("sk-alice-secret", "sk-bob-secret", "sk-alice-secret", None):
+            assert (await c.post("/generate", json=body, headers=as_caller(token))).status_code == 200
+            tenants.append(backend.requests[-1].tenant)
+        alice, bob, alice_again, anonymous = tenants
+        assert alice == alice_again and len({alice, bob, anonymous}) == 3 and None not in tenants
+        assert not any("secret" in t for t in tenants)  # a hash of the token, not the token
+        assert anonymous == "address:127.0.0.1"
+        assert (await c.post("/flush_cache", headers=as_caller("sk-bob-secret"))).status_code == 200
+    async with live(shared_open_cache=True) as (url, backend), httpx2.AsyncClient(base_url=url) as c:
+        for token in ("sk-alice-secret", "sk-bob-secret"):
+            assert (await c.post("/generate", json=body, headers=as_caller(token))).status_code == 200
+            assert backend.requests[-1].tenant is None
+
+
 # ============================================================================ text pieces
 
 

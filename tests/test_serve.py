@@ -64,6 +64,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("serve")
     keys = tmp / "keys.toml"
     keys.write_text(f'[[key]]\nkey = "{ADMIN}"\nadmin = true\n')
+    keys.chmod(0o600)
     with contextlib.ExitStack() as procs:  # stopped last to first
         common = ["--engine", "tcp", "--model", "default", "--page-size", str(PAGE)]
         prefill = procs.enter_context(running("prefill", *common, logs=tmp, timeout=READY_S))
@@ -80,6 +81,12 @@ def chat(stack: Stack, messages: list[dict[str, str]], **kw: Any) -> Any:
     return stack.client.chat.completions.create(
         model="SmolLM2-135M-Instruct", messages=messages, temperature=0, **kw
     )
+
+
+def test_an_open_front_door_says_so_once_at_start(stack: Stack) -> None:
+    """Issue 30, finding 10: a front door without --api-keys started without a word."""
+    said = [line for line in stack.procs[2].stderr().splitlines() if "no --api-keys" in line]
+    assert len(said) == 1 and "each caller's cache is its own" in said[0], said
 
 
 def test_the_model_answers_through_the_openai_client(stack: Stack) -> None:

@@ -358,6 +358,18 @@ async def test_admins_start_and_stop_recording_into_new_files_under_the_allowed_
     assert len(read_mooncake(second)) == 1 and read_trace_header(second) is not None
 
 
+@pytest.mark.parametrize("bad", ["a\x00.jsonl", "\x00", "sub/\x00/x.jsonl", "x" * 5000 + ".jsonl"])
+async def test_a_path_the_os_cannot_take_is_a_400_naming_the_field(tmp_path: Path, bad: str) -> None:
+    """Issue 30, finding 10: a NUL byte in the path answered 500 with a traceback."""
+    rec = TraceRecorder(MODEL, directory=tmp_path, header=HEADER)
+    async with live(rec) as c:
+        r = await c.post("/start_trace_recording", json={"path": bad})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "path" and "path" in error["message"], error
+        assert rec.active is None and list(tmp_path.iterdir()) == []
+
+
 async def test_without_an_allowed_folder_recording_cannot_start() -> None:
     async with live(TraceRecorder(MODEL)) as c:
         r = await c.post("/start_trace_recording", json={"path": "a.jsonl"})

@@ -90,6 +90,7 @@ def create_app(
     api_keys: KeyLookup | Mapping[str, PrincipalLike] | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
     recorder: TraceRecorder | None = None,
+    shared_open_cache: bool = False,
 ) -> Starlette:
     """An ASGI app for `backend`; `codec` tokenizes prompts and detokenizes output.
 
@@ -97,7 +98,8 @@ def create_app(
     every route but /health and /health_generate needs `Authorization: Bearer KEY`, the key's
     tenant goes into each `GenerateRequest`, and /flush_cache and /metrics need an admin key.
     `recorder`: where traces of the requests served are recorded (trace_recorder.py); its
-    start and stop routes need an admin key too.
+    start and stop routes need an admin key too. Without keys each caller's cache is its own
+    unless `shared_open_cache` (auth.py).
     """
     app = Starlette(
         routes=[
@@ -114,7 +116,7 @@ def create_app(
         codec=codec,
         model_name=model_name,
         info=backend.model_info(),
-        auth=Auth(api_keys),
+        auth=Auth(api_keys, shared_open_cache=shared_open_cache),
         metrics=Metrics(),
         max_body_bytes=max_body_bytes,
         started_at=time.time(),

@@ -270,8 +270,13 @@ class TraceRecorder:
         if name is None:
             stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
             name = f"trace-{stamp}-{secrets.token_hex(3)}.jsonl"
+        if "\0" in name:  # the OS takes no NUL in a path: the caller's error, not the server's
+            raise RecordingError(f"path {name!r}: a file name cannot hold a NUL character")
         root = self.directory.resolve()
-        path = (root / name).resolve()
+        try:
+            path = (root / name).resolve()
+        except (OSError, ValueError) as exc:
+            raise RecordingError(f"path {name!r}: not a usable file name ({exc})") from None
         if not path.is_relative_to(root) or path == root:
             raise RecordingError(f"path {name!r} is outside the recording directory {root}")
         if path.suffix != ".jsonl":
