@@ -13,6 +13,7 @@ ready: `{"url": "http://HOST:PORT", "model": ..., "decode": ..., "prefill": ...}
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -39,6 +40,7 @@ from hicache.runtime.wire import protocol
 from hicache.runtime.wire.client import DecodeClient
 
 log = logging.getLogger("hicache.runtime.serve")
+GRACE_S = 3.0  # after SIGTERM: for the responses in flight to say so and be sent
 
 
 class ServeError(Exception):
@@ -119,8 +121,15 @@ def _node_args(opts: ServeOptions) -> list[str]:
     return [*args, "--log-level", opts.log_level, "--threads", str(threads)]
 
 
-async def serve(opts: ServeOptions, task_status: trio.TaskStatus[dict] = trio.TASK_STATUS_IGNORED) -> None:
-    """Start what `opts` asks for and serve until cancelled; reports the ready line's dict."""
+async def serve(
+    opts: ServeOptions,
+    stopping: trio.Event | None = None,
+    *,
+    task_status: trio.TaskStatus[dict] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Start what `opts` asks for and serve until cancelled, or until `stopping` is set: then
+    the requests in flight are answered as aborted (streams with an error event) and it
+    returns; reports the ready line's dict."""
     try:
         tokenizer, name = load_tokenizer(opts.model)
     except (OSError, ValueError) as exc:
@@ -174,7 +183,13 @@ async def serve(opts: ServeOptions, task_status: trio.TaskStatus[dict] = trio.TA
                     else "each caller's cache is its own (by bearer token, else address)",
                 )
             async with trio.open_nursery() as nursery:
-                port = await nursery.start(serve_http, app, opts.host, opts.port)
+                trigger = None if stopping is None else stopping.wait
+                port = await nursery.start(
+                    functools.partial(serve_http, shutdown_trigger=trigger, graceful_timeout_s=GRACE_S),
+                    app,
+                    opts.host,
+                    opts.port,
+                )
                 host = f"[{opts.host}]" if ":" in opts.host else opts.host
                 ready = {
                     "url": f"http://{host}:{port}",
@@ -275,11 +290,23 @@ def main(opts: ServeOptions) -> int:
     """Run until SIGINT/SIGTERM; print the ready line once the front door listens."""
 
     async def run() -> None:
+        stopping, stopped = trio.Event(), trio.Event()
+
+        async def serving(task_status: trio.TaskStatus[dict]) -> None:
+            try:
+                await serve(opts, stopping, task_status=task_status)
+            finally:
+                stopped.set()
+
         async with trio.open_nursery() as nursery:
-            ready = await nursery.start(serve, opts)
+            ready = await nursery.start(serving)
             print(json.dumps(ready), flush=True)
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
                 async for _ in signals:
+                    # Requests in flight are told the server is stopping before it stops.
+                    stopping.set()
+                    with trio.move_on_after(GRACE_S + 2.0):
+                        await stopped.wait()
                     nursery.cancel_scope.cancel()
                     break
 

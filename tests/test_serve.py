@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -163,6 +164,31 @@ def test_a_client_that_leaves_mid_stream_aborts_and_the_node_holds_nothing(stack
     assert audit["check"] == "ok", audit
     for key in ("l1_leaked", "l2_leaked", "locks", "pins", "live", "reserved"):
         assert audit[key] == 0, audit
+
+
+def test_sigterm_tells_a_stream_in_flight_before_the_front_door_exits(stack: Stack, tmp_path: Path) -> None:
+    """Issue 30, finding 10: SIGTERM cut streams in flight with no error event. A second front
+    door on the same decode node is sent SIGTERM mid-stream: the stream ends with OpenAI's error
+    object and [DONE], and the process exits 0."""
+    serve = ["--decode", f"127.0.0.1:{stack.decode[1]}", "--decode-api-key", ADMIN]
+    with running(*serve, command=("serve",), logs=tmp_path, name="front2", timeout=READY_S) as front:
+        url = front.info["url"]
+        body = {
+            "model": "SmolLM2-135M-Instruct",
+            "messages": [{"role": "user", "content": "Count from one to a thousand."}],
+            "max_tokens": 400,
+            "stream": True,
+        }
+        data: list[str] = []
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    data.append(line[6:])
+                if len(data) == 3:
+                    front.proc.send_signal(signal.SIGTERM)
+        assert front.proc.wait(60) == 0
+    assert data[-1] == "[DONE]", data[-3:]
+    assert "shutting down" in json.loads(data[-2])["error"]["message"], data[-2]
 
 
 @pytest.mark.parametrize(
