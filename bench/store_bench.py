@@ -71,9 +71,6 @@ class UnsealedStore(FileStore):
         super().__init__(*args, **kw)
         self._cipher = CopyCipher()
 
-    def _current_page_there(self, name: str, folder: int, size: int) -> bool:
-        return False  # a new directory per run: nothing is there
-
 
 async def one_run(
     store_class: type[FileStore], root: Path, layout: KVLayout, pages: int, batch: int, bounded: bool
@@ -133,15 +130,17 @@ def sealing(args: argparse.Namespace, base: Path) -> None:
     for kib in (int(k) for k in args.page_kib.split(",")):
         layout = layout_for(kib * 1024)
         pages = args.total_mib * 1024 // kib
-        best: dict[str, tuple[float, float]] = {}
-        for name, cls in (("FileStore, sealed", FileStore), ("FileStore, unsealed (peer)", UnsealedStore)):
-            puts, gets = [], []
-            for r in range(args.repeat):
+        stores = (("FileStore, sealed", FileStore), ("FileStore, unsealed (peer)", UnsealedStore))
+        runs: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name, _ in stores}
+        for r in range(args.repeat):  # the two side by side, run after run: the load drifts
+            for name, cls in stores:
                 root = base / f"seal-{kib}-{cls.__name__}-{r}"
                 put, get, _ = trio.run(one_run, cls, root, layout, pages, args.batch, False)
                 shutil.rmtree(root)
-                puts.append(put / 1e3)
-                gets.append(get / 1e3)
+                runs[name][0].append(put / 1e3)
+                runs[name][1].append(get / 1e3)
+        best: dict[str, tuple[float, float]] = {}
+        for name, (puts, gets) in runs.items():
             best[name] = (max(puts), max(gets))
             put, get = (f"{max(v):.2f} ({statistics.median(v):.2f})" for v in (puts, gets))
             print(f"| {kib} KiB | {name} | {put} | {get} |", flush=True)
