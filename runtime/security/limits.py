@@ -13,7 +13,9 @@ authenticated (the cluster secret on a prefill node's control port, an API key o
 node's client port that has `--api-keys`) its reader takes only frames of up to
 `Limits.small_frame`, which are not counted; a larger one is refused and ends the connection. So
 a process with neither key nor secret cannot hold any of the budget, however many headers it
-sends; the handshake's frames are all far below that size.
+sends; the handshake's frames are all far below that size. Nor does it hold a connection slot
+for long: until authenticated, a connection silent for `Limits.frame_timeout_s` is closed (the
+handshake takes a round trip), not after `Limits.idle_timeout_s`.
 """
 
 from __future__ import annotations
@@ -95,12 +97,14 @@ class Gate:
         authenticated: bool = False,
     ) -> protocol.FrameReader:
         """A reader of one connection; until `trust(reader)` (or with `authenticated`: a node
-        that authenticates nobody) it takes no frame above `small_frame`."""
+        that authenticates nobody) it takes no frame above `small_frame` and waits for the next
+        frame only the frame timeout."""
+        idle = self.limits.idle_timeout_s
         return protocol.FrameReader(
             stream,
             max_binary=max_binary,
             frame_timeout=self.limits.frame_timeout_s,
-            idle_timeout=self.limits.idle_timeout_s,
+            idle_timeout=idle if authenticated else min(idle, self.limits.frame_timeout_s),
             budget=ConnectionBudget(self, authenticated),
         )
 
@@ -110,6 +114,7 @@ class Gate:
         if not isinstance(budget, ConnectionBudget) or budget.gate is not self:
             raise ValueError("Gate.trust: the reader was not made by this gate")
         budget.authenticated = True
+        reader.idle_timeout = self.limits.idle_timeout_s
 
     async def enter(self, stream: trio.SocketStream, peer: str) -> bool:
         """Count a new connection in, or answer it with the reason it is refused (False)."""
