@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
+import stat
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +22,11 @@ import pytest
 import trio
 from helpers import NodeProcess, hicache, running
 
+from hicache.runtime.kv.kv_layout import KVLayout
+from hicache.runtime.kv.kv_pool import KVPool
+from hicache.runtime.security.cluster_secret import ClusterSecret
+from hicache.runtime.storage.file_store import FileStore
+from hicache.runtime.storage.page_file import HEADER, HEADER_SIZE
 from hicache.runtime.wire.client import DecodeClient
 
 pytestmark = [pytest.mark.process, pytest.mark.real_model]
@@ -34,8 +41,8 @@ SYSTEM = (
 
 
 class Stack:
-    def __init__(self, url: str, decode: tuple[str, int], procs: list[NodeProcess]) -> None:
-        self.url, self.decode, self.procs = url, decode, procs
+    def __init__(self, url: str, decode: tuple[str, int], procs: list[NodeProcess], l3: Path) -> None:
+        self.url, self.decode, self.procs, self.l3 = url, decode, procs, l3
         self.client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
 
     def audit(self) -> dict[str, Any]:
@@ -75,7 +82,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         decode = procs.enter_context(running("decode", *common, *decode_args, logs=tmp, timeout=READY_S))
         serve = ["--decode", f"127.0.0.1:{decode.port}", "--decode-api-key", ADMIN]
         front = procs.enter_context(running(*serve, command=("serve",), logs=tmp, timeout=READY_S))
-        yield Stack(front.info["url"], ("127.0.0.1", decode.port), [prefill, decode, front])
+        yield Stack(front.info["url"], ("127.0.0.1", decode.port), [prefill, decode, front], tmp / "l3")
 
 
 def chat(stack: Stack, messages: list[dict[str, str]], **kw: Any) -> Any:
@@ -164,6 +171,27 @@ def test_a_client_that_leaves_mid_stream_aborts_and_the_node_holds_nothing(stack
     assert audit["check"] == "ok", audit
     for key in ("l1_leaked", "l2_leaked", "locks", "pins", "live", "reserved"):
         assert audit[key] == 0, audit
+
+
+def test_the_decode_nodes_l3_pages_are_sealed_with_its_cluster_secret(stack: Stack) -> None:
+    """Issue 30, finding 1: the node's pages are 0600 and sealed with keys from its cluster
+    secret (here HICACHE_CLUSTER_SECRET, which the tests set), and no key lies beside them."""
+    chat(stack, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Where is Lima?"}])
+    deadline = time.monotonic() + 60  # a guard: backups reach L3 after the request ends
+    while not (pages := sorted(stack.l3.rglob("*.kvpage"))):
+        assert time.monotonic() < deadline, "no page reached L3"
+        time.sleep(0.1)
+    assert not [p for p in stack.l3.rglob("*") if "secret" in p.name]
+    assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in pages)
+    header = pages[0].read_bytes()[:HEADER_SIZE]
+    _, _, _, _, _, key, layers, _, page_size, kv_heads, head_dim, dtype, *_ = HEADER.unpack(header)
+    layout = KVLayout(layers, kv_heads, head_dim, page_size, dtype.rstrip(b"\0").decode())
+    right = FileStore(stack.l3, layout, secret=ClusterSecret.load().key)
+    wrong = FileStore(stack.l3, layout, secret=os.environ["HICACHE_CLUSTER_SECRET"])  # not derived
+    assert trio.run(right.get, [key], KVPool(layout, 1), [0]) == 1
+    assert trio.run(wrong.get, [key], KVPool(layout, 1), [0]) == 0
+    for store in (right, wrong):
+        trio.run(store.aclose)
 
 
 def test_sigterm_tells_a_stream_in_flight_before_the_front_door_exits(stack: Stack, tmp_path: Path) -> None:

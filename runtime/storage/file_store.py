@@ -105,11 +105,13 @@ class _Outcome:
 class FileStore:
     """Page files under `root/<first two hex digits of the key>/<key>.kvpage`.
 
-    `secret` (bytes or str) keys the pages' encryption; without it the store uses HICACHE_CLUSTER_SECRET,
-    else `root/.hicache-secret` (see the module docstring); `secret_source` says which. Nodes
-    share pages only if they share the secret. `fsync=True` makes a completed `put` durable across
-    a power loss (fsync of the file and its directory) at the cost of a disk flush per page;
-    without it a crash may lose recent pages but never exposes a partial one.
+    `secret` (bytes or str) keys the pages' encryption (`secret_source` names where it came from,
+    for the log; nodes pass their cluster secret); without it the store uses
+    HICACHE_CLUSTER_SECRET, else `root/.hicache-secret` (see the module docstring), and
+    `secret_source` says which. Stores share pages only if they share the secret.
+    `fsync=True` makes a completed `put` durable across a power loss (fsync of the file and its
+    directory) at the cost of a disk flush per page; without it a crash may lose recent pages but
+    never exposes a partial one.
     `delete_corrupt=True` removes a page file that fails verification so the next `put` of that
     key rewrites it. Blocking I/O runs on worker threads under the store's own limiter of
     `threads` tokens; `get` and `put` hand batches of about `chunk_bytes` to a thread at a time so
@@ -135,6 +137,7 @@ class FileStore:
         layout: KVLayout,
         *,
         secret: bytes | str | None = None,
+        secret_source: str = "argument",
         fsync: bool = False,
         delete_corrupt: bool = False,
         threads: int = 2,
@@ -184,6 +187,8 @@ class FileStore:
             self._log_error("open", exc, "the store misses every page and writes none")
         self._warn_if_open_to_others()
         raw, self.secret_source = self._secret(secret)
+        if secret is not None:
+            self.secret_source = secret_source
         self._cipher = PageCipher(raw)
         logger.info(
             "FileStore %s: pages sealed (AES-256-GCM) with keys from the secret from %s",
