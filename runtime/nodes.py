@@ -237,9 +237,10 @@ async def run_prefill(opts: PrefillOptions) -> None:
     model, _ = build_model(opts.model, opts.dtype, opts.kv_cache_dtype)
     layout = model_layout(model, opts.page_size)
     store = None
-    if opts.storage_dir is not None:  # as the decode nodes open it: same files, same MAC key
+    if opts.storage_dir is not None:  # as the decode nodes open it: same files, same keys
         try:
-            store = FileStore(opts.storage_dir, layout)
+            # Pages sealed with the cluster secret: no key lies on the storage beside them.
+            store = FileStore(opts.storage_dir, layout, secret=secret.key, secret_source=secret.source)
         except OSError as exc:
             raise StartupError(f"--storage-dir {opts.storage_dir}: cannot use it ({why(exc)})") from exc
     try:
@@ -377,6 +378,7 @@ async def _run_decode(opts: DecodeOptions, model: LlamaModel, model_name: str, g
         )
         core = attrs.evolve(core, l2_pages=l2)
     capacity, tp_size = opts.storage_capacity, opts.core.tp_size
+    secret = _secret(opts.secret_file)  # also seals the L3 pages: no key lies beside them
     files = FileStore
     if opts.storage_backend == "nixl":
         try:
@@ -386,7 +388,15 @@ async def _run_decode(opts: DecodeOptions, model: LlamaModel, model_name: str, g
         files = NixlFileStore
     try:
         store = (  # with TP ranks, each rank its own shard (`FileStore`'s rank and tp_size)
-            files(opts.storage_dir, layout, capacity_bytes=capacity or None, rank=rank, tp_size=tp_size)
+            files(
+                opts.storage_dir,
+                layout,
+                secret=secret.key,
+                secret_source=secret.source,
+                capacity_bytes=capacity or None,
+                rank=rank,
+                tp_size=tp_size,
+            )
             if opts.storage_dir is not None
             else MemoryStore(layout, capacity_pages=max(1, capacity // layout.page_bytes) if capacity else 0)
         )
@@ -396,7 +406,6 @@ async def _run_decode(opts: DecodeOptions, model: LlamaModel, model_name: str, g
         raise StartupError(f"--hicache-storage-backend {opts.storage_backend}: {exc}") from exc
     if opts.faults is not None:
         FaultyStore.check(opts.faults, store)  # before anything starts: a bad spec exits with its reason
-    secret = _secret(opts.secret_file)
     keys = _api_keys(opts.api_keys)  # checked before the model loaded (`run_decode`); read here
     # A restarted decode node must not reuse its predecessor's agent name: peers still know it.
     engine = make_engine(opts.engine, f"decode-{opts.engine}-{os.getpid()}", secret, opts.host)

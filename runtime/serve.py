@@ -52,6 +52,7 @@ from hicache.runtime.wire import protocol
 from hicache.runtime.wire.client import DecodeClient
 
 log = logging.getLogger("hicache.runtime.serve")
+GRACE_S = 3.0  # after SIGTERM: for the responses in flight to say so and be sent
 
 # How many times a decode node started here retries a transfer: enough, with the backoff capped
 # at 5 s (--transfer-backoff-max), to ride out a prefill node restarted here (its model loads
@@ -87,13 +88,16 @@ class ServeOptions:
     record_trace: Path | None = None  # record the requests served into this new file from the start
     record_trace_dir: Path | None = None  # where /start_trace_recording may write (default: its folder)
     record_block_size: int = 512  # tokens per hash id in a recorded trace (Mooncake's 512)
+    shared_open_cache: bool = False  # without --api-keys: every caller in one cache namespace
+    special_tokens_in_content: bool = False  # special tokens typed in chat messages stay special
 
 
 class Codec:
     """The model's tokenizer as the front door's `TextCodec`."""
 
-    def __init__(self, tokenizer: ChatTokenizer) -> None:
+    def __init__(self, tokenizer: ChatTokenizer, *, special_tokens_in_content: bool = False) -> None:
         self.tokenizer = tokenizer
+        self.special_tokens_in_content = special_tokens_in_content
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
@@ -104,7 +108,11 @@ class Codec:
     def apply_chat_template(
         self, messages: list[dict[str, str]], add_generation_prompt: bool = True
     ) -> list[int]:
-        return self.tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt)
+        return self.tokenizer.encode_chat(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            special_tokens_in_content=self.special_tokens_in_content,
+        )
 
 
 @attrs.frozen
@@ -180,9 +188,16 @@ def _node_args(opts: ServeOptions) -> list[str]:
     return [*args, "--log-level", opts.log_level, "--threads", str(threads)]
 
 
-async def serve(opts: ServeOptions, task_status: trio.TaskStatus[dict] = trio.TASK_STATUS_IGNORED) -> None:
-    """Start what `opts` asks for and serve until cancelled; reports the ready line's dict.
-    Raises `NodeDied` when a node started here exits past its restarts."""
+async def serve(
+    opts: ServeOptions,
+    stopping: trio.Event | None = None,
+    *,
+    task_status: trio.TaskStatus[dict] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Start what `opts` asks for and serve until cancelled, or until `stopping` is set: then
+    the requests in flight are answered as aborted (streams with an error event) and it
+    returns; reports the ready line's dict. Raises `NodeDied` when a node started here exits
+    past its restarts."""
     try:
         source = load_model_source(opts.model)
     except (OSError, ValueError) as exc:
@@ -227,19 +242,44 @@ async def serve(opts: ServeOptions, task_status: trio.TaskStatus[dict] = trio.TA
             queued = running if opts.max_queued_requests is None else opts.max_queued_requests
             admission = Admission(running, queued, max_tokens=pool, reserve_tokens=reserve)
             recorder = await _recorder(opts, name, decode_at, admin_key, len(prefill_at) or None)
+            codec = Codec(tokenizer, special_tokens_in_content=opts.special_tokens_in_content)
             app = create_app(
                 backend,
-                Codec(tokenizer),
+                codec,
                 model_name=name,
                 api_keys=keys,
                 recorder=recorder,
                 admission=admission,
                 health=health,
+                shared_open_cache=opts.shared_open_cache,
             )
+            if keys is None:
+                log.warning(
+                    "no --api-keys: any client that reaches %s:%s may generate, flush the cache and "
+                    "record traces; %s",
+                    opts.host,
+                    opts.port,
+                    "all callers share one cache namespace (--shared-open-cache)"
+                    if opts.shared_open_cache
+                    else "each caller's cache is its own (by bearer token, else address)",
+                )
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(supervisor.run)
                 _check_attached(opts, nursery, health, each, prefill_at)
-                port = await nursery.start(serve_http, app, opts.host, opts.port)
+                trigger = None if stopping is None else stopping.wait
+
+                async def http(task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
+                    await serve_http(
+                        app,
+                        opts.host,
+                        opts.port,
+                        shutdown_trigger=trigger,
+                        graceful_timeout_s=GRACE_S,
+                        task_status=task_status,
+                    )
+                    nursery.cancel_scope.cancel()  # stopped (`stopping`): the supervisor and checks too
+
+                port = await nursery.start(http)
                 host = f"[{opts.host}]" if ":" in opts.host else opts.host
                 log.info(
                     "serving %s: context %d tokens; %d requests and %d tokens at once, %d queued "
@@ -386,11 +426,23 @@ def main(opts: ServeOptions) -> int:
     """Run until SIGINT/SIGTERM; print the ready line once the front door listens."""
 
     async def run() -> None:
+        stopping, stopped = trio.Event(), trio.Event()
+
+        async def serving(task_status: trio.TaskStatus[dict]) -> None:
+            try:
+                await serve(opts, stopping, task_status=task_status)
+            finally:
+                stopped.set()
+
         async with trio.open_nursery() as nursery:
-            ready = await nursery.start(serve, opts)
+            ready = await nursery.start(serving)
             print(json.dumps(ready), flush=True)
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
                 async for _ in signals:
+                    # Requests in flight are told the server is stopping before it stops.
+                    stopping.set()
+                    with trio.move_on_after(GRACE_S + 2.0):
+                        await stopped.wait()
                     nursery.cancel_scope.cancel()
                     break
 

@@ -80,6 +80,34 @@ def test_a_bad_key_file_names_the_entry_and_field(tmp_path: Path, text: str, nam
     assert str(err.value).startswith(str(path)) and named in str(err.value), str(err.value)
 
 
+@pytest.mark.parametrize(
+    ("mode", "digests_only", "refused"),
+    [
+        (0o600, False, None),
+        (0o400, False, None),
+        (0o644, False, "mode 0644 lets others read the API keys in it; chmod 600 it"),
+        (0o640, False, "mode 0640 lets others read the API keys in it"),
+        (0o644, True, None),  # digests: nothing a reader could present
+        (0o664, True, "mode 0664 lets others change it (and add an admin key)"),
+        (0o602, False, "mode 0602 lets others change it"),
+    ],
+)
+def test_a_key_file_others_can_read_or_change_is_refused_as_ssh_would(
+    tmp_path: Path, mode: int, digests_only: bool, refused: str | None
+) -> None:
+    """Issue 30, finding 10: a 0644 --api-keys file was taken silently."""
+    path = tmp_path / "keys.toml"
+    entry = f'key_sha256 = "{digest(ACME)}"' if digests_only else f'key = "{ACME}"'
+    path.write_text(f'[[key]]\n{entry}\ntenant = "acme"\n')
+    path.chmod(mode)
+    if refused is None:
+        assert ApiKeys.load(path).lookup(ACME) == Principal("acme", False)
+        return
+    with pytest.raises(ApiKeyError) as err:
+        ApiKeys.load(path)
+    assert str(err.value).startswith(f"{path}: ") and refused in str(err.value), str(err.value)
+
+
 # ============================================================================ at the node
 
 

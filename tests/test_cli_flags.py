@@ -278,7 +278,7 @@ def test_a_decode_node_needs_exactly_one_way_to_find_its_prefill(tmp_path: Path)
 @pytest.mark.process
 def test_an_unusable_secret_or_key_file_is_one_line_naming_it(tmp_path: Path) -> None:
     secret = tmp_path / "secret"
-    secret.write_text("s3cret-s3cret")
+    secret.write_text("s3cret-s3cret-s3cret")
     secret.chmod(0o644)
     done = hicache(*PREFILL, "--secret-file", str(secret))
     assert done.returncode == 2, done.stderr
@@ -298,7 +298,7 @@ def test_an_unusable_secret_or_key_file_is_one_line_naming_it(tmp_path: Path) ->
 @pytest.mark.process
 def test_nodes_with_different_secrets_refuse_each_other_at_connect(tmp_path: Path) -> None:
     ours, theirs = tmp_path / "ours", tmp_path / "theirs"
-    for path, text in ((ours, "ours-ours-ours"), (theirs, "theirs-theirs")):
+    for path, text in ((ours, "ours-ours-ours-ours"), (theirs, "theirs-theirs-theirs")):
         path.write_text(text)
         path.chmod(0o600)
     with prefill_node(*PREFILL, "--secret-file", str(ours)) as (prefill, port):

@@ -48,6 +48,7 @@ from hicache.runtime.decode.decode_node import DecodeService
 from hicache.runtime.model.llama import TinyConfig, TinyModel
 from hicache.runtime.nodes import layout_for
 from hicache.runtime.prefill.prefill_node import PrefillNode
+from hicache.runtime.security.api_keys import ApiKeys, Principal, digest
 from hicache.runtime.security.cluster_secret import ClusterSecret
 from hicache.runtime.security.limits import Gate, Limits
 from hicache.runtime.storage.memory_store import MemoryStore
@@ -59,6 +60,7 @@ from hicache.runtime.wire.client import DecodeClient
 MiB = 1 << 20
 SLACK = 128 * MiB  # for the allocator: 1 MiB reads and growing buffers fragment the heap
 NODES = ["decode", "prefill"]
+ADMIN_KEY = "sk-admin-of-the-hostile-tests"
 
 
 def frame(body: bytes, n_json: int | None = None, n_bin: int = 0, magic: bytes = protocol.MAGIC) -> bytes:
@@ -115,7 +117,9 @@ class Nodes:
 
 @contextlib.asynccontextmanager
 async def nodes(
-    decode_limits: Limits | None = None, prefill_limits: Limits | None = None
+    decode_limits: Limits | None = None,
+    prefill_limits: Limits | None = None,
+    api_keys: ApiKeys | None = None,
 ) -> AsyncIterator[Nodes]:
     model = TinyModel(TinyConfig())
     layout = layout_for(model.config, PAGE)
@@ -130,9 +134,12 @@ async def nodes(
         prefill = PrefillNode(model, layout, p_engine, staging_pages=64, limits=prefill_limits)
         listeners = await nursery.start(prefill.serve, 0)
         prefill_port = listeners[0].socket.getsockname()[1]
-        service = DecodeService(core, model, layout, MemoryStore(layout), d_engine, limits=decode_limits)
+        service = DecodeService(
+            core, model, layout, MemoryStore(layout), d_engine, limits=decode_limits, api_keys=api_keys
+        )
         decode_port = await nursery.start(service.run, 0, ("127.0.0.1", prefill_port))
-        client = await DecodeClient.connect("127.0.0.1", decode_port)
+        key = ADMIN_KEY if api_keys is not None else None
+        client = await DecodeClient.connect("127.0.0.1", decode_port, api_key=key)
         try:
             yield Nodes(service, prefill, client, KVLedger(model, PAGE), decode_port, prefill_port, stranger)
         finally:
@@ -350,7 +357,9 @@ async def test_stalled_frames_and_idle_connections_are_cut_off(
         reasons = sorted(r[-1]["reason"] for r in replies)
         assert [r[-1]["op"] for r in replies].count("goodbye") == 1, replies
         assert sum("did not complete within 0.3 s" in r for r in reasons) == 2, reasons
-        assert any("no frame within 0.6 s" in r for r in reasons), reasons
+        # A prefill node's peer that has not authenticated waits only the frame timeout.
+        idle = "0.3" if node == "prefill" else "0.6"
+        assert any(f"no frame within {idle} s" in r for r in reasons), reasons
         assert logged(caplog, node, "did not complete within 0.3 s")
         await n.verified()
         assert gate.connections <= before and gate.in_flight == 0
@@ -399,7 +408,9 @@ async def test_frame_bytes_in_flight_are_capped(node: str, caplog: pytest.LogCap
         done = trio.Event()
 
         async def attack() -> None:
-            async with await trio.open_tcp_stream("127.0.0.1", n.port(node)) as stream:
+            # Authenticated peers (prefill: the cluster secret): the budget is theirs alone.
+            stream, _ = await authenticated(n.port(node), n.prefill.secret if node == "prefill" else None)
+            async with stream:
                 with contextlib.suppress(trio.BrokenResourceError):
                     await stream.send_all(payload)  # a refused one is closed under it
                 sends_over.release()
@@ -422,6 +433,80 @@ async def test_frame_bytes_in_flight_are_capped(node: str, caplog: pytest.LogCap
             while gate.in_flight:  # the 4 hung up mid-frame: their bytes are released
                 await trio.sleep(0.01)
         await n.verified()
+
+
+@pytest.mark.parametrize("node", NODES)
+async def test_unauthenticated_peers_hold_none_of_the_frame_budget(
+    node: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 30, finding 4: four 17-byte headers announcing 16 MiB each, from a process with
+    neither the cluster secret (prefill) nor an API key (decode with --api-keys), reserved the
+    whole 64 MiB budget for the frame timeout, renewably, and every frame over 64 KiB (a prompt
+    above ~10k tokens) was refused meanwhile. Now each is refused at its header, nothing is
+    reserved, and an authenticated peer's 1 MiB frame still goes through."""
+    caplog.set_level(logging.INFO)
+    limits = Limits(frame_timeout_s=30.0)
+    keys = ApiKeys({digest(ADMIN_KEY): Principal(tenant=None, admin=True)})
+    async with nodes(limits, limits, api_keys=keys if node == "decode" else None) as n:
+        await n.verified()
+        gate = n.gate(node)
+        header = frame(b"", n_json=16 * MiB)[: struct.calcsize("<4sBIQ")]
+        assert len(header) == 17
+        streams = []
+        for _ in range(4):
+            stream = await trio.open_tcp_stream("127.0.0.1", n.port(node))
+            await stream.send_all(header)
+            streams.append(stream)
+        with trio.fail_after(GUARD_S):  # each header is refused, or (before) reserved
+            while gate.refused_frames + gate.in_flight // (16 * MiB) < 4:
+                await trio.sleep(0.01)
+        assert gate.in_flight == 0 and gate.peak_in_flight == 0
+        assert gate.refused_unauthenticated == 4
+        assert logged(caplog, node, "the peer is not authenticated yet")
+        # An authenticated peer's large frame is read (and answered on its merits).
+        if node == "prefill":
+            big = {"op": "hello", "info": "zz", "pad": "x" * MiB}
+            named = "bad field 'info'"
+            replies = await exchange(n.port(node), protocol.encode(big), secret=n.prefill.secret)
+        else:
+            auth = protocol.encode({"op": "auth", "api_key": ADMIN_KEY})
+            big = protocol.encode({"op": "nonsense", "pad": "x" * MiB})
+            named = "unknown op 'nonsense'"
+            replies = await exchange(n.port(node), auth + big)
+        assert replies and named in replies[-1]["reason"], replies
+        assert gate.peak_in_flight > MiB
+        await n.verified()
+        for stream in streams:
+            await stream.aclose()
+
+
+@pytest.mark.parametrize("node", NODES)
+async def test_a_stranger_holds_a_connection_slot_no_longer_than_the_frame_timeout(node: str) -> None:
+    """A connection that never authenticates is closed after the frame timeout of silence, not
+    the idle timeout (600 s: 256 such connections held every slot for ten minutes); one that
+    did authenticate stays through that silence."""
+    limits = Limits(frame_timeout_s=0.3)
+    keys = ApiKeys({digest(ADMIN_KEY): Principal(tenant=None, admin=True)})
+    async with nodes(limits, limits, api_keys=keys if node == "decode" else None) as n:
+        await n.verified()
+        gate = n.gate(node)
+        base = gate.connections
+        stranger = await trio.open_tcp_stream("127.0.0.1", n.port(node))
+        if node == "prefill":
+            friend, _ = await authenticated(n.port(node), n.prefill.secret)
+        else:
+            friend = await trio.open_tcp_stream("127.0.0.1", n.port(node))
+            await friend.send_all(protocol.encode({"op": "auth", "api_key": ADMIN_KEY}))
+            got, _ = await protocol.FrameReader(friend, max_binary=0).receive()
+            assert got["ok"] is True, got
+        with trio.fail_after(GUARD_S):
+            while gate.connections != base + 1:  # the stranger's slot is freed
+                await trio.sleep(0.01)
+        await trio.sleep(3 * limits.frame_timeout_s)
+        assert gate.connections == base + 1  # the friend's is not
+        await n.verified()
+        for stream in (stranger, friend):
+            await stream.aclose()
 
 
 @pytest.mark.parametrize("node", NODES)

@@ -644,6 +644,87 @@ async def test_api_keys_name_the_tenant_and_guard_admin_routes() -> None:
         assert r.status_code == 200 and backend.requests[-1].tenant == "acme"
 
 
+async def test_an_open_door_keeps_each_callers_cache_apart_unless_told() -> None:
+    """Issue 30, finding 10: without keys every caller shared one cache namespace, so one could
+    time another's prompts. Each caller now has a tenant of its own (its bearer token's hash,
+    else its address; the token never shows); `shared_open_cache` puts them back together."""
+    body = {"text": "hi", "sampling_params": {"max_new_tokens": 1}}
+
+    def as_caller(token: str | None) -> dict[str, str]:
+        return {} if token is None else {"Authorization": f"Bearer {token}"}
+
+    async with live() as (url, backend), httpx2.AsyncClient(base_url=url) as c:
+        tenants = []
+        for token in ("sk-alice-secret", "sk-bob-secret", "sk-alice-secret", None):
+            assert (await c.post("/generate", json=body, headers=as_caller(token))).status_code == 200
+            tenants.append(backend.requests[-1].tenant)
+        alice, bob, alice_again, anonymous = tenants
+        assert alice == alice_again and len({alice, bob, anonymous}) == 3 and None not in tenants
+        assert not any("secret" in t for t in tenants)  # a hash of the token, not the token
+        assert anonymous == "address:127.0.0.1"
+        assert (await c.post("/flush_cache", headers=as_caller("sk-bob-secret"))).status_code == 200
+    async with live(shared_open_cache=True) as (url, backend), httpx2.AsyncClient(base_url=url) as c:
+        for token in ("sk-alice-secret", "sk-bob-secret"):
+            assert (await c.post("/generate", json=body, headers=as_caller(token))).status_code == 200
+            assert backend.requests[-1].tenant is None
+
+
+@pytest.mark.parametrize("api", ["chat", "generate", "whole"])
+async def test_stopping_the_server_tells_the_requests_in_flight_before_closing(api: str) -> None:
+    """Issue 30, finding 10: SIGTERM cut streams in flight with no error event, so a client
+    took a cut answer for a whole one. Stopping (`serve_http`'s shutdown trigger, which the
+    signal sets) now ends each stream with an error event (OpenAI) or an abort finish reason
+    (SGLang) and [DONE], a whole answer with a 503 saying why; the server then returns."""
+    backend = FakeBackend(delay_s=0.05)
+    app = create_app(backend, CODEC, model_name=MODEL)
+    stopping = trio.Event()
+    lines: list[str] = []
+    with trio.fail_after(GUARD_S):
+        async with trio.open_nursery() as nursery:
+            serving = functools.partial(serve_http, shutdown_trigger=stopping.wait, graceful_timeout_s=5.0)
+            port = await nursery.start(serving, app, "127.0.0.1", 0)
+            async with httpx2.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=GUARD_S) as c:
+                if api == "whole":
+                    nursery.start_soon(_set_once_active, backend, stopping)
+                    body = {"text": "the quick brown fox", "sampling_params": {"max_new_tokens": 1000}}
+                    r = await c.post("/generate", json=body)
+                    assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"], r.text
+                else:
+                    path, body = (
+                        (
+                            "/v1/chat/completions",
+                            {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]},
+                        )
+                        if api == "chat"
+                        else ("/generate", {"text": "hello"})
+                    )
+                    body |= {"stream": True, "max_tokens": 1000, "sampling_params": {"max_new_tokens": 1000}}
+                    async with c.stream("POST", path, json=body) as r:
+                        assert r.status_code == 200
+                        async for line in r.aiter_lines():
+                            if line.startswith("data: "):
+                                lines.append(line[6:])
+                            if len(lines) == 3:
+                                stopping.set()
+    # the server returned: the nursery closed by itself once the response was out
+    assert backend.active == set() and backend.aborted
+    if api == "whole":
+        return
+    assert lines[-1] == "[DONE]", lines[-3:]
+    last = json.loads(lines[-2])
+    if api == "chat":
+        assert "shutting down" in last["error"]["message"], last
+    else:
+        reason = last["meta_info"]["finish_reason"]
+        assert reason == {"type": "abort", "message": "the server is shutting down"}, reason
+
+
+async def _set_once_active(backend: FakeBackend, stopping: trio.Event) -> None:
+    await poll(lambda: backend.active)
+    await trio.sleep(0.1)
+    stopping.set()
+
+
 # ============================================================================ text pieces
 
 

@@ -41,10 +41,10 @@ def test_the_secret_comes_from_the_file_then_the_environment_then_the_default_fi
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     given_file = tmp_path / "given"
-    given_file.write_text("from-a-file\n")
+    given_file.write_text("from-a-file-of-secrets\n")
     given_file.chmod(0o600)
     monkeypatch.setenv("HICACHE_CLUSTER_SECRET", "from-the-environment")
-    assert ClusterSecret.load(given_file) == ClusterSecret.of("from-a-file", "x")
+    assert ClusterSecret.load(given_file) == ClusterSecret.of("from-a-file-of-secrets", "x")
     assert ClusterSecret.load() == ClusterSecret.of("from-the-environment")
     monkeypatch.delenv("HICACHE_CLUSTER_SECRET")
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
@@ -63,7 +63,7 @@ def test_a_secret_file_others_can_read_is_refused(tmp_path: Path) -> None:
     empty = tmp_path / "empty"
     empty.write_text("\n")
     empty.chmod(0o600)
-    with pytest.raises(UntrustedSecret, match="holds 0 bytes"):
+    with pytest.raises(UntrustedSecret, match="holds 0 bytes besides surrounding whitespace, expected 16"):
         ClusterSecret.load(empty)
 
 
@@ -258,3 +258,34 @@ async def test_a_prefill_that_accepts_and_says_nothing_does_not_hold_the_decode_
         assert isinstance(err, protocol.ProtocolError), err
         assert f"the prefill node at 127.0.0.1:{port} said nothing for 0.3 s" in str(err)
         nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("secret", ["x", "only-15-bytes!!", "  short  \n"])
+def test_a_short_secret_is_refused_naming_where_it_came_from(
+    secret: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 30, finding 10: a 1-byte cluster secret was accepted (one recorded handshake then
+    gives it away offline). From a file or the environment, below 16 bytes it is refused."""
+    path = tmp_path / "secret"
+    path.write_text(secret)
+    path.chmod(0o600)
+    with pytest.raises(UntrustedSecret, match=rf"{path}: holds \d+ bytes .* expected 16"):
+        ClusterSecret.load(path)
+    monkeypatch.setenv("HICACHE_CLUSTER_SECRET", secret)
+    with pytest.raises(UntrustedSecret, match=r"HICACHE_CLUSTER_SECRET: holds \d+ bytes .* expected 16"):
+        ClusterSecret.load()
+
+
+@pytest.mark.parametrize("blank", [" ", "\t\n  "])
+def test_a_whitespace_only_secret_in_the_environment_is_refused_not_passed_over(
+    blank: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 30, finding 10: a whitespace-only HICACHE_CLUSTER_SECRET silently fell back to the
+    default file; an operator who set the variable meant a secret of their own."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    monkeypatch.setenv("HICACHE_CLUSTER_SECRET", blank)
+    with pytest.raises(UntrustedSecret, match="HICACHE_CLUSTER_SECRET: holds 0 bytes"):
+        ClusterSecret.load()
+    assert not default_path().exists()
+    monkeypatch.setenv("HICACHE_CLUSTER_SECRET", "")  # empty: unset, as shells write it
+    assert ClusterSecret.load().source == str(default_path())

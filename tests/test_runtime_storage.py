@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import errno
-import hashlib
 import os
 import shutil
 import struct
@@ -26,7 +25,7 @@ from hicache.runtime.kv.kv_pool import KVPool
 from hicache.runtime.storage import FileStore, MemoryStore, StorageBackend, key_name, key_value
 from hicache.runtime.storage.file_recovery import temp_name
 from hicache.runtime.storage.file_store import KEY_FILE
-from hicache.runtime.storage.page_file import HEADER, HEADER_SIZE, MAGIC, mac_key, pack_header
+from hicache.runtime.storage.page_file import AAD, HEADER, HEADER_SIZE, MAGIC
 
 LAYOUT = KVLayout(layers=2, kv_heads=2, head_dim=8, page_size=4, dtype="bfloat16")  # 512-byte pages
 KEYS = [0x0123456789ABCDEF, 7, 2**64 - 1, 0xFEDCBA9876543210, 42]
@@ -170,13 +169,18 @@ HEADER_INTS = {
     "shape": 8,
     "length": 12,
 }
-HEADER_BYTES = {"magic": (0, b"HICKVPG1"), "dtype": (11, b"float16"), "mac": (13, bytes(32))}
+HEADER_BYTES = {
+    "magic": (0, b"HICKVPG1"),
+    "dtype": (11, b"float16"),
+    "nonce": (13, bytes(12)),
+    "tag": (14, bytes(16)),
+}
 RESIZED = {"truncated": -1, "header_only": -LAYOUT.page_bytes, "extra_byte": +1}
 
 
 def damage(path: Path, how: str) -> None:
-    """Damage one page file: resize it, flip a payload bit, or change one header field (the MAC
-    is left as it was, except for "mac", which is zeroed)."""
+    """Damage one page file: resize it, flip a payload bit, or change one header field (the tag
+    is left as it was, except for "tag", which is zeroed)."""
     data = bytearray(path.read_bytes())
     header = list(HEADER.unpack(bytes(data[:HEADER_SIZE])))
     if how in RESIZED:
@@ -235,7 +239,12 @@ async def test_layout_of_another_model_is_rejected(tmp_path: Path) -> None:
 
 
 async def test_file_format(tmp_path: Path) -> None:
-    store = FileStore(tmp_path, LAYOUT, secret=b"cluster")
+    """The format page_file.py documents, opened here with the documented derivation alone."""
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+    from cryptography.hazmat.primitives.kdf.hkdf import HKDF, HKDFExpand
+
+    store = FileStore(tmp_path, LAYOUT, secret=b"cluster-secret-of-tests")
     src = filled_pool(seed=8)
     await store.put([KEYS[0]], src, [3])
     path = store.path(KEYS[0])
@@ -243,17 +252,20 @@ async def test_file_format(tmp_path: Path) -> None:
     data = path.read_bytes()
     assert len(data) == HEADER_SIZE + LAYOUT.page_bytes
     payload = rows(src)[3]
-    assert data[:HEADER_SIZE] == pack_header(KEYS[0], LAYOUT, payload, mac_key(b"cluster"))
-    assert data[HEADER_SIZE:] == payload.tobytes()
     magic, version, size, rank, count, key, *rest = HEADER.unpack(data[:HEADER_SIZE])
-    assert (magic, version, size, rank, count, key) == (MAGIC, 2, 128, 0, 0, KEYS[0])  # unsharded
+    assert (magic, version, size, rank, count, key) == (MAGIC, 3, 128, 0, 0, KEYS[0])  # unsharded
     assert tuple(rest[:5]) == LAYOUT.page_shape and rest[5].rstrip(b"\0") == b"bfloat16"
     assert rest[6] == LAYOUT.page_bytes
-    signed = data[: HEADER_SIZE - 32]
-    assert signed[68:] == bytes(28)  # reserved
-    mac = hashlib.blake2b(signed, key=mac_key(b"cluster"), digest_size=32, person=b"hicache-l3-page")
-    mac.update(payload)
-    assert rest[7] == mac.digest()
+    nonce, tag = rest[7], rest[8]
+    assert data[80:96] == bytes(16) and data[112:128] == bytes(16)  # reserved
+    assert data[HEADER_SIZE:] != payload.tobytes()  # sealed, not the KV itself
+    root = HKDF(
+        algorithm=hashes.SHA256(), length=32, salt=b"hicache-l3-pages", info=b"hicache l3 page encryption v3"
+    ).derive(b"cluster-secret-of-tests")
+    info = b"hicache-l3-page" + struct.pack("<QHH", KEYS[0], 0, 0)
+    page_key = HKDFExpand(algorithm=hashes.SHA256(), length=32, info=info).derive(root)
+    plain = AESGCM(page_key).decrypt(nonce, data[HEADER_SIZE:] + tag, data[: AAD.size])
+    assert plain == payload.tobytes()
 
 
 def gone_pid() -> int:

@@ -81,9 +81,7 @@ def test_sampled_frequencies_follow_the_distribution() -> None:
     for want, got in zip(probs.tolist(), counts, strict=True):
         assert abs(got / draws - want) < 0.03, counts
     # A low temperature sharpens towards the top token; top_k=2 never picks the third.
-    cold = sum(
-        sample(logits, [Sampling(temperature=0.25, seed=s)], [7])[0] == 0 for s in range(draws // 3)
-    )
+    cold = sum(sample(logits, [Sampling(temperature=0.25, seed=s)], [7])[0] == 0 for s in range(draws // 3))
     assert cold / (draws // 3) > 0.8
     top2 = {sample(logits, [Sampling(temperature=2.0, top_k=2, seed=s)], [7])[0] for s in range(300)}
     assert top2 == {0, 1}
@@ -91,9 +89,7 @@ def test_sampled_frequencies_follow_the_distribution() -> None:
 
 def test_top_p_keeps_the_smallest_prefix_reaching_p() -> None:
     logits = torch.tensor([[math.log(0.5), math.log(0.3), math.log(0.2)]])
-    picked = {
-        sample(logits, [Sampling(temperature=1.0, top_p=0.7, seed=s)], [0])[0] for s in range(300)
-    }
+    picked = {sample(logits, [Sampling(temperature=1.0, top_p=0.7, seed=s)], [0])[0] for s in range(300)}
     assert picked == {0, 1}  # 0.5 < 0.7, so the 0.3 token is needed; 0.2 never
 
 

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import signal
+import stat
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +22,11 @@ import pytest
 import trio
 from helpers import NodeProcess, hicache, running
 
+from hicache.runtime.kv.kv_layout import KVLayout
+from hicache.runtime.kv.kv_pool import KVPool
+from hicache.runtime.security.cluster_secret import ClusterSecret
+from hicache.runtime.storage.file_store import FileStore
+from hicache.runtime.storage.page_file import HEADER, HEADER_SIZE
 from hicache.runtime.wire.client import DecodeClient
 
 pytestmark = [pytest.mark.process, pytest.mark.real_model]
@@ -33,8 +41,8 @@ SYSTEM = (
 
 
 class Stack:
-    def __init__(self, url: str, decode: tuple[str, int], procs: list[NodeProcess]) -> None:
-        self.url, self.decode, self.procs = url, decode, procs
+    def __init__(self, url: str, decode: tuple[str, int], procs: list[NodeProcess], l3: Path) -> None:
+        self.url, self.decode, self.procs, self.l3 = url, decode, procs, l3
         self.client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
 
     def audit(self) -> dict[str, Any]:
@@ -64,6 +72,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("serve")
     keys = tmp / "keys.toml"
     keys.write_text(f'[[key]]\nkey = "{ADMIN}"\nadmin = true\n')
+    keys.chmod(0o600)
     with contextlib.ExitStack() as procs:  # stopped last to first
         common = ["--engine", "tcp", "--model", "default", "--page-size", str(PAGE)]
         prefill = procs.enter_context(running("prefill", *common, logs=tmp, timeout=READY_S))
@@ -73,13 +82,19 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         decode = procs.enter_context(running("decode", *common, *decode_args, logs=tmp, timeout=READY_S))
         serve = ["--decode", f"127.0.0.1:{decode.port}", "--decode-api-key", ADMIN]
         front = procs.enter_context(running(*serve, command=("serve",), logs=tmp, timeout=READY_S))
-        yield Stack(front.info["url"], ("127.0.0.1", decode.port), [prefill, decode, front])
+        yield Stack(front.info["url"], ("127.0.0.1", decode.port), [prefill, decode, front], tmp / "l3")
 
 
 def chat(stack: Stack, messages: list[dict[str, str]], **kw: Any) -> Any:
     return stack.client.chat.completions.create(
         model="SmolLM2-135M-Instruct", messages=messages, temperature=0, **kw
     )
+
+
+def test_an_open_front_door_says_so_once_at_start(stack: Stack) -> None:
+    """Issue 30, finding 10: a front door without --api-keys started without a word."""
+    said = [line for line in stack.procs[2].stderr().splitlines() if "no --api-keys" in line]
+    assert len(said) == 1 and "each caller's cache is its own" in said[0], said
 
 
 def test_the_model_answers_through_the_openai_client(stack: Stack) -> None:
@@ -156,6 +171,52 @@ def test_a_client_that_leaves_mid_stream_aborts_and_the_node_holds_nothing(stack
     assert audit["check"] == "ok", audit
     for key in ("l1_leaked", "l2_leaked", "locks", "pins", "live", "reserved"):
         assert audit[key] == 0, audit
+
+
+def test_the_decode_nodes_l3_pages_are_sealed_with_its_cluster_secret(stack: Stack) -> None:
+    """Issue 30, finding 1: the node's pages are 0600 and sealed with keys from its cluster
+    secret (here HICACHE_CLUSTER_SECRET, which the tests set), and no key lies beside them."""
+    chat(stack, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Where is Lima?"}])
+    deadline = time.monotonic() + 60  # a guard: backups reach L3 after the request ends
+    while not (pages := sorted(stack.l3.rglob("*.kvpage"))):
+        assert time.monotonic() < deadline, "no page reached L3"
+        time.sleep(0.1)
+    assert not [p for p in stack.l3.rglob("*") if "secret" in p.name]
+    assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in pages)
+    header = pages[0].read_bytes()[:HEADER_SIZE]
+    _, _, _, _, _, key, layers, _, page_size, kv_heads, head_dim, dtype, *_ = HEADER.unpack(header)
+    layout = KVLayout(layers, kv_heads, head_dim, page_size, dtype.rstrip(b"\0").decode())
+    right = FileStore(stack.l3, layout, secret=ClusterSecret.load().key)
+    wrong = FileStore(stack.l3, layout, secret=os.environ["HICACHE_CLUSTER_SECRET"])  # not derived
+    assert trio.run(right.get, [key], KVPool(layout, 1), [0]) == 1
+    assert trio.run(wrong.get, [key], KVPool(layout, 1), [0]) == 0
+    for store in (right, wrong):
+        trio.run(store.aclose)
+
+
+def test_sigterm_tells_a_stream_in_flight_before_the_front_door_exits(stack: Stack, tmp_path: Path) -> None:
+    """Issue 30, finding 10: SIGTERM cut streams in flight with no error event. A second front
+    door on the same decode node is sent SIGTERM mid-stream: the stream ends with OpenAI's error
+    object and [DONE], and the process exits 0."""
+    serve = ["--decode", f"127.0.0.1:{stack.decode[1]}", "--decode-api-key", ADMIN]
+    with running(*serve, command=("serve",), logs=tmp_path, name="front2", timeout=READY_S) as front:
+        url = front.info["url"]
+        body = {
+            "model": "SmolLM2-135M-Instruct",
+            "messages": [{"role": "user", "content": "Count from one to a thousand."}],
+            "max_tokens": 400,
+            "stream": True,
+        }
+        data: list[str] = []
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    data.append(line[6:])
+                if len(data) == 3:
+                    front.proc.send_signal(signal.SIGTERM)
+        assert front.proc.wait(60) == 0
+    assert data[-1] == "[DONE]", data[-3:]
+    assert "shutting down" in json.loads(data[-2])["error"]["message"], data[-2]
 
 
 @pytest.mark.parametrize(

@@ -233,7 +233,7 @@ async def test_a_symlinked_sub_folder_is_never_followed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.WARNING, logger=LOGGER)
-    monkeypatch.setenv("HICACHE_CLUSTER_SECRET", "cluster")  # every store here shares the secret
+    monkeypatch.setenv("HICACHE_CLUSTER_SECRET", "cluster-secret-of-tests")  # every store here shares it
     root, outside = tmp_path / "l3", tmp_path / "outside"
     outside.mkdir()
     key = 0x0123456789ABCDEF
@@ -360,9 +360,9 @@ async def test_a_page_forged_with_another_key_is_a_miss(
     """A forger who can write the directory but does not know the secret: whatever it writes,
     header and MAC included, reads as a miss; the same page under the right secret reads."""
     pool = filled_pool(seed=7)
-    monkeypatch.setenv("HICACHE_CLUSTER_SECRET", "guess")
+    monkeypatch.setenv("HICACHE_CLUSTER_SECRET", "a forger's guess, 16+")
     await FileStore(tmp_path / "forged", LAYOUT).put([4], pool, [0])
-    monkeypatch.setenv("HICACHE_CLUSTER_SECRET", "cluster")
+    monkeypatch.setenv("HICACHE_CLUSTER_SECRET", "cluster-secret-of-tests")
     store = FileStore(tmp_path / "l3", LAYOUT)
     target = store.path(4)
     target.parent.mkdir()
@@ -391,7 +391,7 @@ async def test_the_secret_comes_from_the_argument_the_environment_or_the_key_fil
     assert await FileStore(tmp_path, LAYOUT, secret=secret).get([5], dst, [0]) == 1
     monkeypatch.setenv(fs.SECRET_ENV, secret)
     assert await FileStore(tmp_path, LAYOUT).get([5], dst, [0]) == 1
-    monkeypatch.setenv(fs.SECRET_ENV, "another")
+    monkeypatch.setenv(fs.SECRET_ENV, "another cluster secret")
     assert await FileStore(tmp_path, LAYOUT).get([5], dst, [0]) == 0
     assert await FileStore(tmp_path, LAYOUT, secret=secret).get([5], dst, [0]) == 1  # argument wins
     with pytest.raises(ValueError, match="secret"):

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import gc
 import io
 import json
 import math
 import os
 import subprocess
+import tracemalloc
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -178,6 +180,55 @@ def test_a_recorded_file_reads_back_as_the_requests_served(
     assert rec.requests == len(prompts)
 
 
+def test_long_session_strings_are_not_kept(tmp_path: Path) -> None:
+    """Issue 30, finding 8: 60 requests with distinct 2 MB `user` strings grew the recorder by
+    125 MB (it kept every string as a key). It keeps a 16-byte hash of each now."""
+    rec = TraceRecorder(MODEL, header=HEADER).start(tmp_path / "t.jsonl")
+    run_one(FakeBackend(), rec, request("warm", [1, 2, 3], 1, "acme", session="warm-up"))
+    gc.collect()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        for i in range(60):
+            session = f"{i:02d}" + "u" * (2 << 20)
+            run_one(FakeBackend(), rec, request(f"r{i}", [1, 2, 3], 1, "acme", session=session))  # keeps none
+            del session
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0] - base
+    finally:
+        tracemalloc.stop()
+    rec.close()
+    assert held < 4 << 20, f"the recording holds {held / 2**20:.0f} MiB more after 60 sessions"
+    lines = [json.loads(line) for line in (tmp_path / "t.jsonl").read_text().splitlines()[1:]]
+    assert [line["session_id"] for line in lines] == list(range(61))
+
+
+@settings(max_examples=examples(40), deadline=None)
+@given(
+    sessions=st.lists(st.integers(0, 9), max_size=40),
+    cap=st.integers(1, 5),
+)
+def test_sessions_are_numbered_within_a_cap_least_recently_used_forgotten_first(
+    sessions: list[int], cap: int
+) -> None:
+    """Against a model LRU: a remembered session keeps its number, a forgotten one seen again
+    gets a new one, no number is ever given to two sessions, and at most `cap` are kept."""
+    numbering = trace_recorder.Numbering(cap)
+    model: dict[int, int] = {}  # insertion order = recency
+    given_to: dict[int, int] = {}
+    for s in sessions:
+        n = numbering.number(s)
+        if s in model:
+            assert n == model.pop(s)
+        else:
+            assert n == len(given_to) and n not in given_to
+        model[s] = n
+        given_to[n] = s
+        while len(model) > cap:
+            del model[next(iter(model))]
+        assert len(numbering) == len(model) <= cap
+
+
 def test_the_outcome_is_recorded_without_any_text(tmp_path: Path) -> None:
     path = tmp_path / "t.jsonl"
     rec = TraceRecorder(MODEL, header=HEADER).start(path)
@@ -305,6 +356,18 @@ async def test_admins_start_and_stop_recording_into_new_files_under_the_allowed_
     first = read_mooncake(tmp_path / "traces" / "a.jsonl")
     assert len(first) == 2 and first[0].block_ids == first[1].block_ids
     assert len(read_mooncake(second)) == 1 and read_trace_header(second) is not None
+
+
+@pytest.mark.parametrize("bad", ["a\x00.jsonl", "\x00", "sub/\x00/x.jsonl", "x" * 5000 + ".jsonl"])
+async def test_a_path_the_os_cannot_take_is_a_400_naming_the_field(tmp_path: Path, bad: str) -> None:
+    """Issue 30, finding 10: a NUL byte in the path answered 500 with a traceback."""
+    rec = TraceRecorder(MODEL, directory=tmp_path, header=HEADER)
+    async with live(rec) as c:
+        r = await c.post("/start_trace_recording", json={"path": bad})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "path" and "path" in error["message"], error
+        assert rec.active is None and list(tmp_path.iterdir()) == []
 
 
 async def test_without_an_allowed_folder_recording_cannot_start() -> None:

@@ -249,6 +249,8 @@ def run_serve(args: argparse.Namespace) -> int:
         record_trace=args.record_trace,
         record_trace_dir=args.record_trace_dir,
         record_block_size=args.record_block_size,
+        shared_open_cache=args.shared_open_cache,
+        special_tokens_in_content=args.special_tokens_in_content,
     )
     try:
         return main(opts)

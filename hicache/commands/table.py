@@ -498,6 +498,18 @@ SERVE = Command(
         ),
         arg("--api-keys", type=Path, default=None, metavar="FILE", help="clients' API keys (TOML)"),
         arg(
+            "--shared-open-cache",
+            action="store_true",
+            help="without --api-keys, let all callers share one cache namespace (default: each caller's "
+            "is its own, told apart by bearer token, else by address)",
+        ),
+        arg(
+            "--special-tokens-in-content",
+            action="store_true",
+            help="let special tokens typed in chat messages (<|im_start|>, ...) act as markers (default: "
+            "they are tokenized as text, as Hugging Face's split_special_tokens)",
+        ),
+        arg(
             "--decode",
             type=rt.host_port,
             action="append",

@@ -75,7 +75,8 @@ class Clients:
             await stream.aclose()
 
     async def _serve(self, stream: trio.SocketStream, peer: str) -> None:
-        reader = self.gate.reader(stream, max_binary=0)
+        # Without --api-keys every client is trusted as it is; with them, from its key on.
+        reader = self.gate.reader(stream, max_binary=0, authenticated=self.api_keys is None)
         who: Principal | None = OPEN if self.api_keys is None else None  # None: not yet known
         try:
             while True:
@@ -86,6 +87,7 @@ class Clients:
                 try:
                     if msg["op"] == "auth":
                         who = self._authenticate(msg, who, peer)
+                        self.gate.trust(reader)
                         reply = {"op": "auth", "ok": True, "tenant": who.tenant, "admin": who.admin}
                         binary = b""
                     elif msg["op"] == "generate" and who is not None:

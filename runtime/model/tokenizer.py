@@ -6,13 +6,21 @@ tokenizer they describe, the way transformers does for the same file (the tests 
 encode alike). A Hugging Face directory has its `tokenizer.json` and `tokenizer_config.json`.
 Either way `save_pretrained` writes a directory that `transformers.AutoTokenizer` (and so clients
 such as AIPerf) loads and that encodes identically.
+
+Special tokens a caller types are text. `encode_chat` keeps the special tokens the chat template
+writes (`<|im_start|>`, `<|im_end|>`, ...) and tokenizes those inside messages' contents as the
+text they spell (Hugging Face's `split_special_tokens` behaviour, for the contents alone), so a
+user cannot open a system turn by typing its marker; `special_tokens_in_content=True` lets them
+through as before. A chat with no special token in any content encodes exactly as the whole
+rendered text always did.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Mapping, Sequence
-from functools import cache
+from functools import cache, cached_property
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +53,8 @@ PRE_TOKENIZER_SPLITS = {
 # SmolLM's own tokenizer (and llama.cpp's "smollm") cuts digits one by one before GPT-2's regex.
 _DIGIT_FIRST = frozenset({"smollm"})
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
+_MARK = "\U000f0000"  # a private-use character: marks where a message's content is rendered
+_PLACE = re.compile(_MARK + r"(\d+)" + _MARK)
 
 
 @cache
@@ -128,12 +138,91 @@ class ChatTokenizer:
         )
 
     def encode_chat(
-        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True, **extra: Any
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        special_tokens_in_content: bool = False,
+        **extra: Any,
     ) -> list[int]:
         """Token ids of the rendered chat; the template writes its own special tokens, so none are
-        added (as `apply_chat_template` does)."""
+        added (as `apply_chat_template` does). A special token inside a message's content is
+        tokenized as text unless `special_tokens_in_content` (module notes)."""
         text = self.render_chat(messages, add_generation_prompt=add_generation_prompt, **extra)
-        return self.encode(text, add_special_tokens=False)
+        if special_tokens_in_content or self._special_pattern is None:
+            return self.encode(text, add_special_tokens=False)
+        spans = self._content_spans(messages, text, add_generation_prompt, extra)
+        if not any(self._special_pattern.search(text, a, b) for a, b in spans):
+            return self.encode(text, add_special_tokens=False)  # nothing typed: as it always was
+        ids: list[int] = []
+        start = 0
+        for m in self._special_pattern.finditer(text):
+            if any(a <= m.start() < b for a, b in spans):
+                continue  # typed by the caller: text
+            ids += self._as_text.encode(text[start : m.start()], add_special_tokens=False).ids
+            ids.append(self._special_ids[m.group()])
+            start = m.end()
+        ids += self._as_text.encode(text[start:], add_special_tokens=False).ids
+        return ids
+
+    @cached_property
+    def _special_ids(self) -> dict[str, int]:
+        """The special added tokens (what `split_special_tokens` turns into text) and their ids."""
+        found = self.backend.get_added_tokens_decoder().items()
+        return {tok.content: i for i, tok in found if tok.special and tok.content}
+
+    @cached_property
+    def _special_pattern(self) -> re.Pattern[str] | None:
+        tokens = sorted(self._special_ids, key=len, reverse=True)  # the longest of overlapping ones
+        return re.compile("|".join(map(re.escape, tokens))) if tokens else None
+
+    @cached_property
+    def _as_text(self) -> Tokenizer:
+        """A copy of the backend that reads special tokens' spellings as text."""
+        copy = Tokenizer.from_str(self.backend.to_str())
+        copy.encode_special_tokens = True
+        return copy
+
+    def _content_spans(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        text: str,
+        add_generation_prompt: bool,
+        extra: Mapping[str, Any],
+    ) -> list[tuple[int, int]]:
+        """Where each message's content lies in `text`, found by rendering the chat again with a
+        marker in place of each content. A template that changes contents as it renders them
+        (trims them, say) gets its contents looked for in order instead."""
+        contents: list[str] = []
+        marked = [dict(m) for m in messages]
+        for m in marked:
+            if isinstance(m.get("content"), str):
+                mark = f"{_MARK}{len(contents)}{_MARK}"
+                contents.append(m["content"])
+                m["content"] = mark
+        rendered = self.render_chat(marked, add_generation_prompt=add_generation_prompt, **extra)
+        spans: list[tuple[int, int]] = []
+        out: list[str] = []
+        at = last = 0
+        for place in _PLACE.finditer(rendered):
+            out.append(rendered[last : place.start()])
+            at += place.start() - last
+            n = int(place.group(1))
+            content = contents[n] if n < len(contents) else place.group()
+            spans.append((at, at + len(content)))
+            out.append(content)
+            at += len(content)
+            last = place.end()
+        out.append(rendered[last:])
+        if "".join(out) == text:
+            return spans
+        spans, at = [], 0
+        for content in contents:
+            found = text.find(content.strip(), at) if content.strip() else -1
+            if found >= 0:
+                spans.append((found, found + len(content.strip())))
+                at = found + len(content.strip())
+        return spans
 
     # -- Hugging Face directories -----------------------------------------------------------------
 

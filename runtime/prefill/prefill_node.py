@@ -196,6 +196,7 @@ class PrefillNode:
         try:
             # Nothing the peer says is acted on before it proved it holds the cluster secret.
             await peer_auth.accept(self.secret, say, hear, f"the peer at {where}")
+            self.gate.trust(reader)  # only now may its frames draw on the node's budget
             hello, _ = await reader.receive()
             if hello["op"] != "hello":
                 raise protocol.MessageError(f"expected 'hello', got {protocol.show(hello['op'])}")

@@ -17,12 +17,20 @@ Keys are looked up by their SHA-256, so the time a lookup takes says nothing abo
 a wrong key was right, and a file of digests holds nothing a reader could present. Without a
 file the node is open: every client is an admin and may name its own tenant (a single-operator
 set-up; the node says so in its log at start).
+
+The file is refused, as ssh refuses a private key or an `authorized_keys` file others can touch,
+when anyone but its owner could change it (group or other write permission: they could add an
+admin key), when it is owned by someone other than this user or root, and when it holds a key
+itself (`key = ...`) and others may read it (group or other read permission: `chmod 600 FILE`).
+A file of `key_sha256` digests alone may be readable by others.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import re
+import stat
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -31,6 +39,7 @@ import attrs
 
 MIN_KEY_CHARS = 16
 MAX_TENANT_CHARS = 256
+MAX_FILE_BYTES = 16 << 20
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
@@ -72,12 +81,37 @@ class ApiKeys:
     @classmethod
     def load(cls, path: Path) -> ApiKeys:
         try:
-            data = tomllib.loads(path.read_text(encoding="utf-8"))
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            try:
+                st = os.fstat(fd)
+                with os.fdopen(os.dup(fd), "rb") as f:
+                    raw = f.read(MAX_FILE_BYTES + 1)
+            finally:
+                os.close(fd)
         except OSError as exc:
             raise ApiKeyError(f"{path}: cannot read it ({exc.strerror or exc})") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise ApiKeyError(f"{path}: not a regular file")
+        if len(raw) > MAX_FILE_BYTES:
+            raise ApiKeyError(f"{path}: larger than {MAX_FILE_BYTES} bytes")
+        mode = stat.S_IMODE(st.st_mode)
+        if st.st_uid not in (os.geteuid(), 0):
+            raise ApiKeyError(f"{path}: owned by uid {st.st_uid}, not by this user ({os.geteuid()}) or root")
+        if mode & 0o022:
+            raise ApiKeyError(
+                f"{path}: mode {mode:04o} lets others change it (and add an admin key); chmod go-w it"
+            )
+        try:
+            data = tomllib.loads(raw.decode("utf-8"))
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
             raise ApiKeyError(f"{path}: not TOML ({exc})") from None
-        return cls.parse(data, str(path))
+        keys = cls.parse(data, str(path))
+        if mode & 0o044 and any(isinstance(e, dict) and "key" in e for e in data["key"]):
+            raise ApiKeyError(
+                f"{path}: mode {mode:04o} lets others read the API keys in it; chmod 600 it, or keep "
+                "only key_sha256 digests in a file others may read"
+            )
+        return keys
 
     @classmethod
     def parse(cls, data: dict[str, Any], source: str) -> ApiKeys:

@@ -16,7 +16,11 @@ Where it comes from, first found wins:
    the same secret given to each.
 
 A secret file must be a regular file owned by this user and unreadable by others (like an SSH
-private key); anything else is refused with a one-line reason rather than trusted.
+private key), and a secret, from a file or the environment, at least `MIN_SECRET` (16) bytes once
+surrounding whitespace is stripped: a short one can be guessed offline from one recorded
+handshake. Anything else is refused with a one-line reason naming where it came from, rather
+than trusted; an environment variable that is set but holds only whitespace is refused too,
+never passed over for the default file (an empty one counts as unset).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from pathlib import Path
 import attrs
 
 SECRET_ENV = "HICACHE_CLUSTER_SECRET"
+MIN_SECRET = 16
 MAX_SECRET = 4096
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -56,9 +61,28 @@ def read_secret_file(path: Path) -> bytes:
         data = os.read(fd, MAX_SECRET + 1).strip()
     finally:
         os.close(fd)
-    if not data or len(data) > MAX_SECRET:
-        raise UntrustedSecret(f"holds {len(data)} bytes, expected 1 to {MAX_SECRET}")
+    return _checked(data, "holds")
+
+
+def _checked(data: bytes, verb: str) -> bytes:
+    if not MIN_SECRET <= len(data) <= MAX_SECRET:
+        raise UntrustedSecret(
+            f"{verb} {len(data)} bytes besides surrounding whitespace, expected {MIN_SECRET} to "
+            f"{MAX_SECRET} (e.g. `head -c 32 /dev/urandom | base64`)"
+        )
     return data
+
+
+def env_secret() -> bytes | None:
+    """The secret in HICACHE_CLUSTER_SECRET, None when unset or empty; `UntrustedSecret` naming
+    the variable when it holds only whitespace or too few bytes."""
+    raw = os.environ.get(SECRET_ENV, "")
+    if not raw:
+        return None
+    try:
+        return _checked(raw.strip().encode("utf-8", "surrogateescape"), "holds")
+    except UntrustedSecret as exc:
+        raise UntrustedSecret(f"{SECRET_ENV}: {exc}") from None
 
 
 def ensure_secret_file(path: Path) -> bytes:
@@ -115,8 +139,8 @@ class ClusterSecret:
         missing). Raises `OSError` or `UntrustedSecret` naming the file when it cannot be used."""
         if path is not None:
             return cls.of(_read(path), str(path))
-        env = os.environ.get(SECRET_ENV, "").strip()
-        if env:
+        env = env_secret()
+        if env is not None:
             return cls.of(env, SECRET_ENV)
         path = default_path()
         try:

@@ -7,6 +7,15 @@ the bytes that frames being received announce against `Limits.frame_bytes_in_fli
 out `FrameReader`s that cut off a frame not complete within `Limits.frame_timeout_s` of its
 first byte and a connection silent for `Limits.idle_timeout_s` between frames. Both nodes
 refuse a request of more than `Limits.max_tokens` tokens.
+
+The shared budget is only for peers that proved who they are. Until a connection's peer is
+authenticated (the cluster secret on a prefill node's control port, an API key on a decode
+node's client port that has `--api-keys`) its reader takes only frames of up to
+`Limits.small_frame`, which are not counted; a larger one is refused and ends the connection. So
+a process with neither key nor secret cannot hold any of the budget, however many headers it
+sends; the handshake's frames are all far below that size. Nor does it hold a connection slot
+for long: until authenticated, a connection silent for `Limits.frame_timeout_s` is closed (the
+handshake takes a round trip), not after `Limits.idle_timeout_s`.
 """
 
 from __future__ import annotations
@@ -57,6 +66,7 @@ class Gate:
         self.peak_in_flight = 0
         self.refused_connections = 0
         self.refused_frames = 0
+        self.refused_unauthenticated = 0  # of those, frames above `small_frame` before auth
 
     # ------------------------------------------------------------------ the frame budget
 
@@ -80,15 +90,31 @@ class Gate:
     # ------------------------------------------------------------------ connections
 
     def reader(
-        self, stream: trio.abc.ReceiveStream, *, max_binary: int = protocol.MAX_BINARY
+        self,
+        stream: trio.abc.ReceiveStream,
+        *,
+        max_binary: int = protocol.MAX_BINARY,
+        authenticated: bool = False,
     ) -> protocol.FrameReader:
+        """A reader of one connection; until `trust(reader)` (or with `authenticated`: a node
+        that authenticates nobody) it takes no frame above `small_frame` and waits for the next
+        frame only the frame timeout."""
+        idle = self.limits.idle_timeout_s
         return protocol.FrameReader(
             stream,
             max_binary=max_binary,
             frame_timeout=self.limits.frame_timeout_s,
-            idle_timeout=self.limits.idle_timeout_s,
-            budget=self,
+            idle_timeout=idle if authenticated else min(idle, self.limits.frame_timeout_s),
+            budget=ConnectionBudget(self, authenticated),
         )
+
+    def trust(self, reader: protocol.FrameReader) -> None:
+        """The peer of `reader`'s connection is authenticated: its frames draw on the budget."""
+        budget = reader.budget
+        if not isinstance(budget, ConnectionBudget) or budget.gate is not self:
+            raise ValueError("Gate.trust: the reader was not made by this gate")
+        budget.authenticated = True
+        reader.idle_timeout = self.limits.idle_timeout_s
 
     async def enter(self, stream: trio.SocketStream, peer: str) -> bool:
         """Count a new connection in, or answer it with the reason it is refused (False)."""
@@ -122,6 +148,32 @@ class Gate:
             contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, protocol.ProtocolError),
         ):
             await protocol.send(stream, obj)
+
+
+class ConnectionBudget:
+    """One connection's share of a `Gate`'s frame budget: none before its peer is
+    authenticated (frames above `small` are refused, uncounted), the gate's after."""
+
+    def __init__(self, gate: Gate, authenticated: bool = False) -> None:
+        self.gate = gate
+        self.authenticated = authenticated
+
+    @property
+    def small(self) -> int:
+        return self.gate.small
+
+    def take(self, n: int) -> str:
+        if not self.authenticated:
+            self.gate.refused_frames += 1
+            self.gate.refused_unauthenticated += 1
+            return (
+                f"frame of {n} B refused: the peer is not authenticated yet, and until it is a "
+                f"frame may have at most {self.gate.small} B"
+            )
+        return self.gate.take(n)
+
+    def give(self, n: int) -> None:
+        self.gate.give(n)
 
 
 def peer_name(stream: trio.SocketStream) -> str:

@@ -94,6 +94,7 @@ def create_app(
     recorder: TraceRecorder | None = None,
     admission: Admission | None = None,
     health: Health | None = None,
+    shared_open_cache: bool = False,
 ) -> Starlette:
     """An ASGI app for `backend`; `codec` tokenizes prompts and detokenizes output.
 
@@ -101,7 +102,8 @@ def create_app(
     every route but /health and /health_generate needs `Authorization: Bearer KEY`, the key's
     tenant goes into each `GenerateRequest`, and /flush_cache and /metrics need an admin key.
     `recorder`: where traces of the requests served are recorded (trace_recorder.py); its
-    start and stop routes need an admin key too. `admission`: the bounded queue requests wait
+    start and stop routes need an admin key too. Without keys each caller's cache is its own
+    unless `shared_open_cache` (auth.py). `admission`: the bounded queue requests wait
     in before they reach the backend (admission.py; None: none); `health`: what the front door
     knows of the nodes behind it, which /health and /health_generate answer by (health.py).
     """
@@ -123,7 +125,7 @@ def create_app(
         codec=codec,
         model_name=model_name,
         info=backend.model_info(),
-        auth=Auth(api_keys),
+        auth=Auth(api_keys, shared_open_cache=shared_open_cache),
         metrics=ctx_metrics,
         max_body_bytes=max_body_bytes,
         started_at=time.time(),

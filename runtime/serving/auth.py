@@ -1,18 +1,24 @@
 """Bearer keys: which tenant a request belongs to, and whether it may run admin routes.
 
 Takes runtime/security/api_keys.py's `ApiKeys` (anything with `lookup(key) -> Principal | None`) or a
-plain mapping key -> principal (anything with `.tenant` and `.admin`); without keys the door
-is open and every caller is an admin of the shared namespace.
+plain mapping key -> principal (anything with `.tenant` and `.admin`). Without keys the door is
+open and every caller an admin, but callers still do not share cached KV unless the operator
+says so (`shared_open_cache`): a shared cache tells one caller, by its speed, which prompts
+another sent. Each caller gets a tenant of its own: the SHA-256 of the bearer token it presents
+(any token: OpenAI clients always send one), else its address. So callers that present the same
+token, or come from one address without a token (several behind one proxy), share a namespace;
+keys are the way to tell callers apart for sure.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 from typing import Protocol
 
 from starlette.requests import Request
 
-from hicache.runtime.security.api_keys import OPEN, digest
+from hicache.runtime.security.api_keys import OPEN, Principal, digest
 from hicache.runtime.serving.errors import ApiError
 
 
@@ -44,8 +50,23 @@ class _DigestMap:
             return None
 
 
+def open_caller(request: Request) -> Principal:
+    """A caller of an open door: an admin whose tenant is its bearer token's hash, else its
+    address (module notes)."""
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    token = token.strip()
+    if scheme.lower() == "bearer" and token:
+        name = "token:" + hashlib.sha256(token.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+    else:
+        name = "address:" + (request.client.host if request.client is not None else "unknown")
+    return Principal(tenant=name, admin=True)
+
+
 class Auth:
-    def __init__(self, keys: KeyLookup | Mapping[str, PrincipalLike] | None) -> None:
+    def __init__(
+        self, keys: KeyLookup | Mapping[str, PrincipalLike] | None, *, shared_open_cache: bool = False
+    ) -> None:
+        self.shared_open_cache = shared_open_cache
         if keys is None or hasattr(keys, "lookup"):
             self._keys: KeyLookup | None = keys  # type: ignore[assignment]
         else:
@@ -58,7 +79,7 @@ class Auth:
     def principal(self, request: Request, *, admin: bool = False) -> PrincipalLike:
         """The caller, or a 401 (no or unknown key) / 403 (an admin route, a tenant's key)."""
         if self._keys is None:
-            return OPEN
+            return OPEN if self.shared_open_cache else open_caller(request)
         scheme, _, key = request.headers.get("authorization", "").partition(" ")
         found = self._keys.lookup(key.strip()) if scheme.lower() == "bearer" else None
         if found is None:

@@ -23,6 +23,7 @@ from hicache.runtime.serving.errors import ApiError, bad_request, error_response
 from hicache.runtime.serving.generation import Generation, Job, aclose_shielded
 from hicache.runtime.serving.health import Health
 from hicache.runtime.serving.metrics import Metrics
+from hicache.runtime.serving.shutdown import Shutdown
 from hicache.runtime.serving.sse import Disconnected, until_disconnect
 from hicache.runtime.serving.trace_recorder import TraceRecorder
 
@@ -44,6 +45,7 @@ class Context:
     recorder: TraceRecorder
     admission: Admission | None = None  # the bounded queue in front of the backend; None: none
     health: Health = attrs.field(factory=Health)
+    shutdown: Shutdown = attrs.field(factory=Shutdown)  # ends what is in flight when the server stops
 
     async def encode(self, text: str) -> list[int]:
         if len(text) > THREAD_ENCODE_CHARS:
@@ -84,9 +86,10 @@ class Context:
                 pass
 
         try:
-            await until_disconnect(request, drain)
+            with self.shutdown.guard(gen) as stopping:  # `gen` then ends as an abort, answered as one
+                await until_disconnect(request, drain)
         except Disconnected:
-            return False
+            return stopping.cancel_called  # cut short by the server stopping, not by the client
         return True
 
     async def start_stream(self, request: Request, gen: Generation) -> Stream | None:
@@ -94,8 +97,14 @@ class Context:
         the client: a request refused before its first token still gets a 503 status, not a
         200 stream holding an error. None if the client left."""
         tail = gen.run()
+        head = None
         try:
-            head = await until_disconnect(request, functools.partial(anext, tail, None))
+            with self.shutdown.guard(gen) as stopping:
+                try:
+                    head = await until_disconnect(request, functools.partial(anext, tail, None))
+                except Disconnected:
+                    if not stopping.cancel_called:  # the server stopping: answered as an abort
+                        raise
         except Disconnected:
             await aclose_shielded(tail)
             return None
@@ -105,7 +114,7 @@ class Context:
         if head is None and gen.failed and not gen.output_ids:
             assert gen.finish is not None
             raise unavailable(gen.finish.message or "the backend refused the request", code=gen.finish.reason)
-        return Stream([] if head is None else [head], tail)
+        return Stream([] if head is None else [head], tail, gen, self.shutdown)
 
     def new_rid(self) -> str:
         return uuid.uuid4().hex
@@ -117,12 +126,24 @@ class Stream:
 
     head: list[str]
     tail: AsyncGenerator[str, None]
+    gen: Generation | None = None
+    shutdown: Shutdown | None = None
 
     async def pieces(self) -> AsyncGenerator[str, None]:
+        """The pieces, until the generation ends or the server stops (then it has ended as an
+        abort, which the route's stream reports)."""
         try:
             for piece in self.head:
                 yield piece
-            async for piece in self.tail:
+            while True:
+                piece = None
+                if self.shutdown is None or self.gen is None:
+                    piece = await anext(self.tail, None)
+                else:
+                    with self.shutdown.guard(self.gen):  # never across a yield
+                        piece = await anext(self.tail, None)
+                if piece is None:
+                    return
                 yield piece
         finally:
             await aclose_shielded(self.tail)

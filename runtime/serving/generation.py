@@ -225,6 +225,11 @@ class Generation:
         for tier in TIERS:
             self.cached[tier] = _count(cached.get(tier, 0))
 
+    def abort(self, message: str) -> None:
+        """Finish as an abort for `message` (the server stopping); the backend's request is
+        aborted once `run` is closed or cancelled. No effect on a generation that has ended."""
+        self._end("abort", message=message)
+
     def _end(self, reason: str, *, matched: str | int | None = None, message: str = "") -> None:
         if self.finish is None:
             self.finish = Finish(reason, matched, message)

@@ -29,16 +29,27 @@ async def serve_http(
     shutdown_trigger: Callable[[], Awaitable[None]] | None = None,
     graceful_timeout_s: float = 3.0,
 ) -> None:
-    """Serve `app` on host:port until cancelled or until `shutdown_trigger` returns (then
-    requests in flight get `graceful_timeout_s`). Reports the bound port, so port 0 works:
-    Hypercorn binds the socket itself and reports its address through its own task_status."""
+    """Serve `app` on host:port until cancelled or until `shutdown_trigger` returns: then the
+    generations in flight end as aborts that their responses report (`shutdown.py`), and
+    requests in flight get `graceful_timeout_s` to be answered. Reports the bound port, so port 0
+    works: Hypercorn binds the socket itself and reports its address through its own task_status."""
     config = Config()
     config.bind = [_bind(host, port)]
     config.errorlog = logging.getLogger("hypercorn.error")
     config.accesslog = None
     config.graceful_timeout = graceful_timeout_s
+    trigger = None
+    if shutdown_trigger is not None:
+        stop_when = shutdown_trigger
+
+        async def trigger() -> None:
+            await stop_when()
+            ctx = getattr(app.state, "ctx", None)
+            if ctx is not None:
+                ctx.shutdown.begin()
+
     async with trio.open_nursery() as nursery:
         binds: list[str] = await nursery.start(
-            lambda task_status: serve(app, config, shutdown_trigger=shutdown_trigger, task_status=task_status)
+            lambda task_status: serve(app, config, shutdown_trigger=trigger, task_status=task_status)
         )
         task_status.started(_port(binds[0]))

@@ -13,6 +13,13 @@ So no text leaves the node, identical prompts of one tenant get the same ids and
 tenants never do. Tenants are written as a hash salted per recording, sessions as numbers in
 first-seen order. Nothing is held per request once its line is written; a write error ends the
 recording (logged) and never the request.
+
+What the recording remembers across requests is bounded, whatever clients send: sessions by a
+16-byte salted hash of (tenant, session), never the strings themselves, and at most
+`MAX_SESSIONS` of them; block ids for at most `MAX_BLOCKS` blocks; namespace seeds for at most
+`MAX_TENANTS` tenants. Each map forgets its least recently used entry first. A session or block
+forgotten and seen again gets a new number (numbers are never reused), so a replay sees it as
+new: the trace stays sound, only less complete for what went unused longest.
 """
 
 from __future__ import annotations
@@ -23,7 +30,8 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import Mapping
+from collections import OrderedDict
+from collections.abc import Hashable, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
@@ -39,6 +47,35 @@ if TYPE_CHECKING:
 log = logging.getLogger("hicache.runtime.serving")
 
 HEADER_VERSION = 1
+MAX_SESSIONS = 1 << 16  # about 10 MB of (hash, number) pairs
+MAX_BLOCKS = 1 << 18  # 134M tokens of distinct 512-token blocks, about 30 MB
+MAX_TENANTS = 1 << 10
+
+
+class Numbering:
+    """Numbers in first-seen order for at most `cap` keys, the least recently used forgotten
+    first; a key seen again after that gets a new number (none is ever given twice)."""
+
+    def __init__(self, cap: int) -> None:
+        if cap < 1:
+            raise ValueError(f"Numbering.cap: expected an int >= 1, got {cap!r}")
+        self.cap = cap
+        self.given = 0  # numbers given so far: the next one
+        self._of: OrderedDict[Hashable, int] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._of)
+
+    def number(self, key: Hashable) -> int:
+        n = self._of.get(key)
+        if n is not None:
+            self._of.move_to_end(key)
+            return n
+        n = self._of[key] = self.given
+        self.given += 1
+        if len(self._of) > self.cap:
+            self._of.popitem(last=False)
+        return n
 
 
 class RecordingError(Exception):
@@ -60,11 +97,13 @@ class BlockIds:
     """Chained ids of 512-token blocks: the page key of each block (a partial last block is keyed
     by its own tokens, chained from the block before), numbered in first-seen order."""
 
-    def __init__(self, model_name: str, block_size: int = MOONCAKE_BLOCK) -> None:
+    def __init__(
+        self, model_name: str, block_size: int = MOONCAKE_BLOCK, *, max_blocks: int = MAX_BLOCKS
+    ) -> None:
         self.model_name = model_name
         self.block_size = block_size
-        self._ids: dict[int, int] = {}
-        self._seeds: dict[str | None, int] = {}
+        self._ids = Numbering(max_blocks)
+        self._seeds: OrderedDict[str | None, int] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._ids)
@@ -73,12 +112,16 @@ class BlockIds:
         seed = self._seeds.get(tenant)
         if seed is None:
             seed = self._seeds[tenant] = namespace_seed(self.model_name, tenant)
+            if len(self._seeds) > MAX_TENANTS:
+                self._seeds.popitem(last=False)
+        else:
+            self._seeds.move_to_end(tenant)
         arr = np.asarray(tokens, dtype=np.int64)
         keys = page_keys(arr, self.block_size, seed).tolist()
         tail = len(arr) % self.block_size
         if tail:  # its own length goes into its hash: it never equals a full block's key
             keys += page_keys(arr[-tail:], tail, keys[-1] if keys else seed).tolist()
-        return [self._ids.setdefault(k, len(self._ids)) for k in keys]
+        return [self._ids.number(k) for k in keys]
 
 
 class Recording:
@@ -91,6 +134,9 @@ class Recording:
         model_name: str,
         header: Mapping[str, Any],
         block_size: int = MOONCAKE_BLOCK,
+        *,
+        max_sessions: int = MAX_SESSIONS,
+        max_blocks: int = MAX_BLOCKS,
     ) -> None:
         self.path = path
         self.began = time.monotonic()
@@ -98,9 +144,9 @@ class Recording:
         self.error: str | None = None
         self._file: IO[bytes] | None = file
         self._whole = 0  # bytes of whole lines written: a failed write is cut back to here
-        self._blocks = BlockIds(model_name, block_size)
+        self._blocks = BlockIds(model_name, block_size, max_blocks=max_blocks)
         self._salt = secrets.token_bytes(16)
-        self._sessions: dict[tuple[str | None, str], int] = {}
+        self._sessions = Numbering(max_sessions)  # salted hash of (tenant, session) -> number
         started = datetime.now(UTC).isoformat(timespec="seconds")
         head = {TRACE_HEADER: HEADER_VERSION, "format": "mooncake", "block_size": block_size}
         self._write({**head, "order": "completion", "started_at": started, **header})
@@ -156,7 +202,7 @@ class Recording:
             "hash_ids": self._blocks.ids(req.input_ids, req.tenant),
         }
         if req.session:
-            out["session_id"] = self._sessions.setdefault((req.tenant, req.session), len(self._sessions))
+            out["session_id"] = self._sessions.number(self._session_key(req.tenant, req.session))
         if req.tenant is not None:
             out["tenant"] = hashlib.blake2b(req.tenant.encode(), key=self._salt, digest_size=8).hexdigest()
         out["cached_tokens"] = dict(gen.cached)
@@ -168,6 +214,17 @@ class Recording:
         out["tpot_s"] = None if gen.tpot_s is None else round(gen.tpot_s, 6)
         out["finish_reason"] = gen.finish.reason if gen.finish is not None else None
         return out
+
+    def _session_key(self, tenant: str | None, session: str) -> bytes:
+        """16 bytes for a session of any length: the map never holds what a client sent."""
+        h = hashlib.blake2b(key=self._salt, digest_size=16, person=b"hicache-session")
+        for part in (
+            b"" if tenant is None else b"\x01" + tenant.encode("utf-8", "surrogatepass"),
+            session.encode("utf-8", "surrogatepass"),
+        ):
+            h.update(len(part).to_bytes(8, "little"))
+            h.update(part)
+        return h.digest()
 
     def status(self) -> dict[str, Any]:
         return {
@@ -213,8 +270,13 @@ class TraceRecorder:
         if name is None:
             stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
             name = f"trace-{stamp}-{secrets.token_hex(3)}.jsonl"
+        if "\0" in name:  # the OS takes no NUL in a path: the caller's error, not the server's
+            raise RecordingError(f"path {name!r}: a file name cannot hold a NUL character")
         root = self.directory.resolve()
-        path = (root / name).resolve()
+        try:
+            path = (root / name).resolve()
+        except (OSError, ValueError) as exc:
+            raise RecordingError(f"path {name!r}: not a usable file name ({exc})") from None
         if not path.is_relative_to(root) or path == root:
             raise RecordingError(f"path {name!r} is outside the recording directory {root}")
         if path.suffix != ".jsonl":

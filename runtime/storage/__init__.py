@@ -3,7 +3,7 @@ or not, sharded per tensor-parallel rank or not) and an in-memory store, behind 
 `StorageBackend` protocol. `nixl_store.NixlFileStore`, the file store moving its payloads with
 NIXL, is imported from its module only, since it needs the optional nixl package. It may import
 `kv` (pages are laid out and copied as pools hold them) and `security` (the cluster secret keys
-the page files' MACs), never transfer, tp, a node or serving."""
+the page files' encryption), never transfer, tp, a node or serving."""
 
 from hicache.runtime.storage.base import StorageBackend, StoreStats, key_name, key_value
 from hicache.runtime.storage.file_store import FileStore

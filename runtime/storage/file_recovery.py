@@ -127,6 +127,7 @@ def open_index(
     try:
         if path.is_symlink():
             raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), str(path))
+        _private(path)
         try:
             index = PageIndex(path, capacity, protected_fraction=protected_fraction)
         except NoRoom:
@@ -161,6 +162,18 @@ def open_index(
             len(evicted),
         )
     return index, len(evicted)
+
+
+def _private(path: Path) -> None:
+    """Create the index file 0600 before SQLite does (it would use the umask, and its -wal and
+    -shm files take the database's mode), and make one this user owns 0600 if it is not."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o600)
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and st.st_mode & 0o077:
+            os.fchmod(fd, 0o600)
+    finally:
+        os.close(fd)
 
 
 def scan_pages(pages_root: Path, log_error: LogError) -> dict[str, tuple[int, float]]:

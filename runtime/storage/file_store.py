@@ -1,9 +1,12 @@
 """L3 on a file system: one file per page, shared by every node that mounts the same directory.
 
-A page file (`page_file.py`) is a fixed-size header, MAC'd with a key from a cluster secret
-(`FileStore(secret=...)`, else the environment variable HICACHE_CLUSTER_SECRET, else a random
-secret the first store writes to `ROOT/.hicache-secret` with mode 0600), then the page's raw
-bytes: a page nobody with the secret wrote reads as a miss.
+A page file (`page_file.py`) is a fixed-size header, then the page's bytes sealed with
+AES-256-GCM under a key derived from a cluster secret (`FileStore(secret=...)`, else the
+environment variable HICACHE_CLUSTER_SECRET, else a random secret the first store writes to
+`ROOT/.hicache-secret` with mode 0600) and the page key: a page nobody with the secret wrote
+reads as a miss, and nobody without it can read a page's KV (which gives the prompt back).
+Page files are created 0600 and the folders this store makes 0700, so other users of the host
+cannot even read the ciphertext; a root or sub-folder that others may enter is logged once.
 
 Files are written to a temporary name in the same directory and renamed over the final name
 (`os.replace` is atomic on POSIX), so a reader sees a whole page or none. A store opening the
@@ -19,7 +22,7 @@ eviction; one write transaction unlinks the victims, renames the new page into p
 it, so the files on disk never exceed the capacity by more than the temporaries being written.
 A reader that opened a page before it was evicted reads the whole file; after, it misses.
 A tensor-parallel rank's store keeps its pages under `ROOT/tp<N>/rank<r>/` with the shard in the
-header (under the MAC), so one rank's page never reads as another's.
+header (authenticated with the page), so one rank's page never reads as another's.
 
 No input from the disk stops a node: every OS error of `exists`, `get` or `put` is a miss or a
 page reported not written (`stats.errors` counts them), logged once per kind (read or write,
@@ -32,13 +35,13 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
-import hmac
 import io
 import logging
 import os
 import secrets
 import sqlite3
 import stat
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -48,7 +51,12 @@ import trio
 
 from hicache.runtime.kv.kv_layout import KVLayout
 from hicache.runtime.kv.kv_pool import KVPool, PageIndices
-from hicache.runtime.security.cluster_secret import SECRET_ENV, UntrustedSecret, ensure_secret_file
+from hicache.runtime.security.cluster_secret import (
+    SECRET_ENV,
+    UntrustedSecret,
+    ensure_secret_file,
+    env_secret,
+)
 from hicache.runtime.storage.base import Progress, StoreStats, check_batch, key_values
 from hicache.runtime.storage.file_io import (
     CREATE_FLAGS,
@@ -68,20 +76,14 @@ from hicache.runtime.storage.file_recovery import (
     remove_page,
     temp_name,
 )
-from hicache.runtime.storage.page_file import (
-    HEADER_SIZE,
-    SIGNED,
-    SUFFIX,
-    header_matches,
-    mac_key,
-    pack_header,
-    page_mac,
-)
+from hicache.runtime.storage.page_file import HEADER_SIZE, SUFFIX, TAG_SIZE, VERSION, PageCipher, page_version
 from hicache.runtime.storage.page_index import INDEX_FILE, NoRoom, PageIndex
 
 logger = logging.getLogger("hicache.runtime.storage")
 
 KEY_FILE = ".hicache-secret"
+DIR_MODE = 0o700  # folders this store makes: only the node's user may list or enter them
+FILE_MODE = 0o600  # page files: only the node's user may read them
 
 
 @attrs.frozen
@@ -103,11 +105,13 @@ class _Outcome:
 class FileStore:
     """Page files under `root/<first two hex digits of the key>/<key>.kvpage`.
 
-    `secret` (bytes or str) keys the page MACs; without it the store uses HICACHE_CLUSTER_SECRET,
-    else `root/.hicache-secret` (see the module docstring); `secret_source` says which. Nodes
-    share pages only if they share the secret. `fsync=True` makes a completed `put` durable across
-    a power loss (fsync of the file and its directory) at the cost of a disk flush per page;
-    without it a crash may lose recent pages but never exposes a partial one.
+    `secret` (bytes or str) keys the pages' encryption (`secret_source` names where it came from,
+    for the log; nodes pass their cluster secret); without it the store uses
+    HICACHE_CLUSTER_SECRET, else `root/.hicache-secret` (see the module docstring), and
+    `secret_source` says which. Stores share pages only if they share the secret.
+    `fsync=True` makes a completed `put` durable across a power loss (fsync of the file and its
+    directory) at the cost of a disk flush per page; without it a crash may lose recent pages but
+    never exposes a partial one.
     `delete_corrupt=True` removes a page file that fails verification so the next `put` of that
     key rewrites it. Blocking I/O runs on worker threads under the store's own limiter of
     `threads` tokens; `get` and `put` hand batches of about `chunk_bytes` to a thread at a time so
@@ -123,7 +127,7 @@ class FileStore:
     is unbounded, as before, and keeps no index. A `get` hit and an `exists` hit are uses; a
     `put` of a page already there is not. Evicting (unlinking victims, under the index's lock)
     runs in the same worker threads as the writes. `rank` and `tp_size` open one tensor-parallel rank's
-    shard, `root/tp<tp_size>/rank<rank>/`, whose page headers name the shard (under the MAC), so
+    shard, `root/tp<tp_size>/rank<rank>/`, whose page headers name the shard (authenticated), so
     a rank never reads another's page; `tp_size=1` is the unsharded layout directly under `root`.
     """
 
@@ -133,6 +137,7 @@ class FileStore:
         layout: KVLayout,
         *,
         secret: bytes | str | None = None,
+        secret_source: str = "argument",
         fsync: bool = False,
         delete_corrupt: bool = False,
         threads: int = 2,
@@ -172,12 +177,24 @@ class FileStore:
         self._closed = False
         self._logged: set[tuple[str, int | None]] = set()
         self._index: PageIndex | None = None
+        self._scratch = threading.local()  # per worker thread: a sealed page on its way
         try:
-            self.pages_root.mkdir(parents=True, exist_ok=True)
+            for folder in (*reversed(self.pages_root.parents), self.pages_root):
+                if not os.path.lexists(folder):  # every level it makes is 0700, not only the last
+                    with contextlib.suppress(FileExistsError):
+                        os.mkdir(folder, DIR_MODE)
         except OSError as exc:
             self._log_error("open", exc, "the store misses every page and writes none")
-        self._mac, self.secret_source = self._secret(secret)
-        logger.info("FileStore %s: page MACs keyed by the secret from %s", self.root, self.secret_source)
+        self._warn_if_open_to_others()
+        raw, self.secret_source = self._secret(secret)
+        if secret is not None:
+            self.secret_source = secret_source
+        self._cipher = PageCipher(raw)
+        logger.info(
+            "FileStore %s: pages sealed (AES-256-GCM) with keys from the secret from %s",
+            self.root,
+            self.secret_source,
+        )
         self.leftovers_removed = remove_leftovers(self.pages_root, self._log_error)
         if self.capacity_bytes or capacity_bytes is None and regular(self.pages_root / INDEX_FILE):
             capacity = self.capacity_bytes or None  # None: join the capacity the index records
@@ -190,17 +207,37 @@ class FileStore:
 
     # ------------------------------------------------------------------------------------ setup
 
+    def _warn_if_open_to_others(self) -> None:
+        """Log once when other users may enter the store's folders: the pages stay sealed and
+        0600, but they can see which pages exist and when they change."""
+        for folder in dict.fromkeys((self.root, self.pages_root)):
+            try:
+                mode = stat.S_IMODE(os.stat(folder).st_mode)
+            except OSError:
+                continue
+            if mode & 0o077:
+                logger.warning(
+                    "FileStore %s: folder %s has mode %04o: other users can list the page files "
+                    "(their contents are sealed and 0600); chmod 700 it to hide them",
+                    self.root,
+                    folder,
+                    mode,
+                )
+
     def _secret(self, secret: bytes | str | None) -> tuple[bytes, str]:
-        """The MAC key and where its secret came from: the argument, the environment, the key
-        file, or (when the key file cannot be used) a random key of this store alone."""
+        """The secret and where it came from: the argument, the environment, the key file, or
+        (when the key file cannot be used) a random key of this store alone."""
         if secret is not None:
-            return mac_key(secret.encode() if isinstance(secret, str) else secret), "argument"
-        env = os.environ.get(SECRET_ENV, "").strip()  # stripped like the key file's contents
-        if env:
-            return mac_key(env.encode()), SECRET_ENV
+            return (secret.encode() if isinstance(secret, str) else secret), "argument"
+        try:
+            env = env_secret()  # stripped like the key file's contents
+        except UntrustedSecret as exc:
+            raise ValueError(f"FileStore: {exc}") from None
+        if env is not None:
+            return env, SECRET_ENV
         path = self.root / KEY_FILE
         try:
-            return mac_key(ensure_secret_file(path)), str(path)
+            return ensure_secret_file(path), str(path)
         except (OSError, UntrustedSecret) as exc:
             reason = describe(exc) if isinstance(exc, OSError) else str(exc)
             logger.warning(
@@ -212,7 +249,7 @@ class FileStore:
                 reason,
                 SECRET_ENV,
             )
-            return mac_key(secrets.token_bytes(32)), "random key of this store"
+            return secrets.token_bytes(32), "random key of this store"
 
     def _touch(self, keys: list[int]) -> tuple[OSError, ...]:
         """Count a use of pages just found (worker thread); an index error only costs recency."""
@@ -243,7 +280,7 @@ class FileStore:
         folder = self.pages_root / f"{key:016x}"[:2]
         if create:
             with contextlib.suppress(FileExistsError):
-                os.mkdir(folder)
+                os.mkdir(folder, DIR_MODE)
         return open_dir(folder)
 
     def _check_open(self) -> None:
@@ -417,8 +454,16 @@ class FileStore:
         finally:
             os.close(folder)
 
+    def _sealed(self) -> np.ndarray:
+        """This worker thread's buffer for one sealed page: ciphertext, then the tag."""
+        buf: np.ndarray | None = getattr(self._scratch, "buf", None)
+        if buf is None:
+            buf = self._scratch.buf = np.empty(self.layout.page_bytes + TAG_SIZE, dtype=np.uint8)
+        return buf
+
     def _verify_into(self, fd: int, key: int, out: np.ndarray) -> bool:
-        """Read page file `fd` into `out`; whether it is a whole page of `key` with a valid MAC."""
+        """Read page file `fd` and open it into `out`; whether it is a whole page of `key` that
+        the cluster secret sealed (its tag checks)."""
         st = os.fstat(fd)
         if stat.S_ISDIR(st.st_mode):
             raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(self._path(key)))
@@ -426,12 +471,12 @@ class FileStore:
             return False
         f = io.FileIO(fd, "rb", closefd=False)
         header = f.read(HEADER_SIZE)
-        if len(header) != HEADER_SIZE or not header_matches(header, key, self.layout, self.shard):
+        if len(header) != HEADER_SIZE or page_version(header) != VERSION:
             return False
-        if self._read_payload(fd, out) != out.nbytes:
+        sealed = self._sealed()
+        if self._read_payload(fd, sealed[: out.nbytes]) != out.nbytes:
             return False
-        expected = page_mac(self._mac, header[: SIGNED.size], out)
-        return hmac.compare_digest(header[SIGNED.size :], expected)
+        return self._cipher.open_into(header, key, self.layout, sealed, out, self.shard)
 
     def _read_payload(self, fd: int, out: np.ndarray) -> int:
         """Read a page's payload, which starts at HEADER_SIZE, into `out`; the bytes read."""
@@ -481,6 +526,24 @@ class FileStore:
             self._logged.add(("capacity", None))
             logger.warning("FileStore %s: a page was not written: %s", self.pages_root, exc)
 
+    def _current_page_there(self, name: str, folder: int, size: int) -> bool:
+        """Whether a whole-sized page file of this format is at `name` (a page of an older
+        format, say unsealed, is written over rather than kept as a permanent miss)."""
+        try:
+            st = os.stat(name, dir_fd=folder, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        if not stat.S_ISREG(st.st_mode) or st.st_size != size:
+            return False
+        try:
+            fd = os.open(name, READ_FLAGS, dir_fd=folder)
+        except OSError:
+            return False  # gone meanwhile, or unreadable: write it again
+        try:
+            return page_version(os.read(fd, 16)) == VERSION
+        finally:
+            os.close(fd)
+
     def _write_page(self, key: int, payload: np.ndarray) -> list[int] | None:
         """Write one page unless a whole-sized page file is there already (None), evicting for
         it in a bounded store; return the keys evicted. OS errors raise, and leave no temporary
@@ -490,18 +553,15 @@ class FileStore:
             raise OSError(errno.EIO, "no usable page index, so no room can be counted", str(self.pages_root))
         folder = self._open_folder(key, create=True)
         try:
-            try:
-                st = os.stat(name, dir_fd=folder, follow_symlinks=False)
-                if stat.S_ISREG(st.st_mode) and st.st_size == HEADER_SIZE + payload.nbytes:
-                    return None
-            except FileNotFoundError:
-                pass
+            if self._current_page_there(name, folder, HEADER_SIZE + payload.nbytes):
+                return None
             tmp = temp_name(key)
-            fd = os.open(tmp, CREATE_FLAGS, 0o666, dir_fd=folder)
+            fd = os.open(tmp, CREATE_FLAGS, FILE_MODE, dir_fd=folder)
             try:
                 try:
-                    write_all(fd, pack_header(key, self.layout, payload, self._mac, self.shard))
-                    self._write_payload(fd, payload)
+                    sealed = self._sealed()
+                    write_all(fd, self._cipher.seal(key, self.layout, payload, sealed, self.shard))
+                    self._write_payload(fd, sealed[: payload.nbytes])
                     if self.fsync:
                         os.fsync(fd)
                 finally:

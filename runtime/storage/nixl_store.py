@@ -1,11 +1,12 @@
 """L3 page files whose payloads move through NIXL's POSIX storage backend (DRAM <-> FILE).
 
-The same directory, format, MACs, shards and capacity as `FileStore`, which this subclasses:
-only the bytes after each header go through a NIXL transfer (`pip install nixl==1.5.1`, the
+The same directory, format, encryption, shards and capacity as `FileStore`, which this subclasses:
+only the sealed bytes after each header go through a NIXL transfer (`pip install nixl==1.5.1`, the
 `nixl` extra) instead of `read`/`write`, so a deployment whose storage NIXL drives (its POSIX
 backend here; GDS or object stores where NIXL has them) keeps one page format, and a page
-written by either store reads with the other. Headers, MAC checks, temporaries, renames and
-eviction stay plain file-system calls.
+written by either store reads with the other. Headers, temporaries, renames and eviction stay
+plain file-system calls; pages are sealed and opened on the CPU, in a buffer of the worker
+thread that NIXL moves.
 
 Each page registers its pool row and its file region, transfers and deregisters them: simple
 and safe for pools that come and go, at a fixed cost per page (see BENCHMARKS.md). Transfers of
