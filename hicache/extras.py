@@ -19,6 +19,7 @@ EXTRA_OF_MODULE: dict[str, str] = {
     "tokenizers": "runtime",
     "safetensors": "runtime",
     "jinja2": "runtime",
+    "cryptography": "runtime",
     "nixl": "nixl",
     "ray": "ray",
     "mypy": "compile",

@@ -65,6 +65,8 @@ class ServeOptions:
     model: str = "default"  # "default", a GGUF file or a Hugging Face folder
     dtype: str = "auto"  # both nodes' --dtype
     kv_cache_dtype: str = "auto"  # both nodes' --kv-cache-dtype (they must agree)
+    chunked_prefill_size: int = 512  # the prefill nodes started here: tokens of a prompt per step
+    max_prefill_tokens: int = 1024  # ... and tokens of all of one step's chunks
     host: str = "127.0.0.1"
     port: int = 0
     engine: str = "tcp"
@@ -176,6 +178,13 @@ def context_limit(opts: ServeOptions, model_context: int | None) -> int:
     else:
         limit = model_context or opts.max_tokens
     return min(limit, opts.max_tokens)
+
+
+def prefill_args(opts: ServeOptions, address: Path) -> list[str]:
+    """The command line of a prefill node started here, which writes its address to `address`."""
+    args = ["prefill", *_node_args(opts), "--address-file", str(address)]
+    args += ["--chunked-prefill-size", str(opts.chunked_prefill_size)]
+    return [*args, "--max-prefill-tokens", str(opts.max_prefill_tokens)]
 
 
 def _node_args(opts: ServeOptions) -> list[str]:
@@ -390,7 +399,7 @@ async def _start_nodes(
     for i in range(0 if opts.prefill else opts.prefill_nodes):
         name = "prefill" if opts.prefill_nodes == 1 else f"prefill{i}"
         address = work / f"{name}.address"
-        args = ["prefill", *_node_args(opts), "--address-file", str(address)]
+        args = prefill_args(opts, address)
         try:
             prefill = await start_node(args, logs, name)
         except NodeFailed as exc:

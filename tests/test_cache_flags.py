@@ -233,3 +233,32 @@ def test_help_states_choices_and_defaults() -> None:
     assert "--hicache-write-policy {write_through,write_through_selective,write_back}" in out
     assert "--radix-eviction-policy {lru,mru,lfu,fifo,priority}" in out
     assert "(default: timeout)" in out and "(default: --hicache-ratio x --l1-pages)" in out
+
+
+def test_serve_passes_its_prefill_scheduler_flags_on_to_the_prefill_nodes(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from hicache.commands.runtime_commands import run_serve
+    from hicache.runtime import serve
+
+    seen: list[serve.ServeOptions] = []
+    monkeypatch.setattr(serve, "main", lambda opts: seen.append(opts) or 0)
+    args = build_parser().parse_args(
+        ["serve", "--chunked-prefill-size", "256", "--max-prefill-tokens", "2048"]
+    )
+    assert run_serve(args) == 0
+    node = build_parser().parse_args(["node", *serve.prefill_args(seen[0], tmp_path / "a")])
+    assert (node.chunked_prefill_size, node.max_prefill_tokens) == (256, 2048)
+    plain = build_parser().parse_args(["node", *serve.prefill_args(serve.ServeOptions(), tmp_path / "a")])
+    default = build_parser().parse_args(["node", "prefill"])
+    assert (plain.chunked_prefill_size, plain.max_prefill_tokens) == (
+        default.chunked_prefill_size,
+        default.max_prefill_tokens,
+    )
+
+
+@pytest.mark.process
+def test_serve_refuses_prefill_scheduler_flags_for_nodes_it_does_not_start() -> None:
+    done = hicache("serve", "--prefill", "127.0.0.1:1", "--chunked-prefill-size", "64", timeout=120)
+    assert done.returncode == 2
+    assert "--chunked-prefill-size: sets the prefill nodes started here" in done.stderr

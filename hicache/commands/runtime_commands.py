@@ -213,6 +213,22 @@ def run_serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    plain = ServeOptions()
+    scheduling = [
+        flag
+        for flag, value, default in (
+            ("--chunked-prefill-size", args.chunked_prefill_size, plain.chunked_prefill_size),
+            ("--max-prefill-tokens", args.max_prefill_tokens, plain.max_prefill_tokens),
+        )
+        if value != default
+    ]
+    if scheduling and (args.decode or args.prefill):
+        print(
+            f"hicache serve: {scheduling[0]}: sets the prefill nodes started here, but "
+            f"{'--decode' if args.decode else '--prefill'} uses running ones with their own settings",
+            file=sys.stderr,
+        )
+        return 2
     clash = (
         "--decode: attaches to running decode nodes; --prefill, --prefill-nodes and --decode-nodes start them"
         if args.decode and (args.prefill or args.prefill_nodes != 1 or args.decode_nodes != 1)
@@ -228,6 +244,8 @@ def run_serve(args: argparse.Namespace) -> int:
         model=args.model,
         dtype=args.dtype,
         kv_cache_dtype=args.kv_cache_dtype,
+        chunked_prefill_size=args.chunked_prefill_size,
+        max_prefill_tokens=args.max_prefill_tokens,
         host=args.host,
         port=args.port,
         engine=args.engine,

@@ -217,6 +217,28 @@ KV_CACHE_DTYPE = arg(
     help="what K/V is kept in, in every tier, on the wire and in L3 (SGLang's name); auto: the model's "
     "dtype; prefill and decode nodes must agree (default auto)",
 )
+# How a prefill node schedules its prompts (`hicache.core.prefill_sched`); serve passes them on.
+PREFILL_SCHEDULER = Group(
+    "the prefill scheduler (prompts compute in chunks, shortest remaining work first)",
+    (
+        arg(
+            "--chunked-prefill-size",
+            type=int_in(1),
+            default=512,
+            metavar="TOKENS",
+            help="most tokens of one prompt computed in one step (SGLang's name), rounded down "
+            "to whole pages: a long prompt is computed in chunks, interleaved with other prompts, "
+            "so a short prompt waits about one chunk, not the whole long prompt (default 512)",
+        ),
+        arg(
+            "--max-prefill-tokens",
+            type=int_in(1),
+            default=1024,
+            metavar="TOKENS",
+            help="most tokens of all the chunks of one step (SGLang's name) (default 1024)",
+        ),
+    ),
+)
 # Both nodes take these.
 NODE: tuple[Arg | SettingFlag | Group, ...] = (
     arg("--port", type=PORT, default=0, help="listening port (0: any free one)"),
@@ -334,27 +356,7 @@ PREFILL = Command(
             "notification on the last, so the transfer overlaps prefill (SGLang streams by layer); 0: "
             "once prefill is done (default 4)",
         ),
-        Group(
-            "the prefill scheduler (prompts compute in chunks, shortest remaining work first)",
-            (
-                arg(
-                    "--chunked-prefill-size",
-                    type=int_in(1),
-                    default=512,
-                    metavar="TOKENS",
-                    help="most tokens of one prompt computed in one step (SGLang's name), rounded down "
-                    "to whole pages: a long prompt is computed in chunks, interleaved with other prompts, "
-                    "so a short prompt waits about one chunk, not the whole long prompt (default 512)",
-                ),
-                arg(
-                    "--max-prefill-tokens",
-                    type=int_in(1),
-                    default=1024,
-                    metavar="TOKENS",
-                    help="most tokens of all the chunks of one step (SGLang's name) (default 1024)",
-                ),
-            ),
-        ),
+        PREFILL_SCHEDULER,
     ),
     run=rt.run_node,
 )
@@ -446,6 +448,7 @@ SERVE = Command(
         ),
         DTYPE,
         KV_CACHE_DTYPE,
+        PREFILL_SCHEDULER,  # passed on to the prefill nodes started here
         arg("--host", default="127.0.0.1", help="the front door's address"),
         arg("--port", type=PORT, default=0, help="the front door's port (0: any free one)"),
         arg("--engine", choices=ENGINES, default="tcp", help="the P->D transfer engine"),

@@ -6,9 +6,9 @@ batch 8 for the default model). oneDNN, which torch ships for its CPU backend, c
 once (`torch.ops.mkldnn._reorder_linear_weight`, what torch's own CPU compiler does for frozen
 models) and multiply by the packed form (`torch.ops.mkldnn._linear_pointwise`). In bfloat16 its
 kernels use the CPU's bf16 dot-product instructions (AVX512-BF16, AMX) where it has them, and
-accumulate in float32. Measured on this project's 2-core AMD EPYC, one thread, the default model's
-30 layers and head: 10 ms per step at batch 1 and 20 ms at batch 8 in bfloat16, against 18 and
-74 ms for float32 `x @ w` (`bench/matmul_bench.py`).
+accumulate in float32. `bench/matmul_bench.py` times the default model's 30 layers and head on
+a 2-core AMD EPYC, one thread: packed bfloat16 20 / 22 / 50 ms per step at 1 / 8 / 32 rows,
+against 38 / 46 / 74 ms for bfloat16 `x @ w` and 34 / 77 / 139 ms for float32 (BENCHMARKS.md).
 
 Packing is used for float32 and bfloat16 on CPU when torch has oneDNN; float64 (the exact tests'
 tiny model), float16 and other builds multiply `x @ w` as before. As with MKL, the kernel
