@@ -164,10 +164,14 @@ class Soak:
                 with_kv = self.args.kv_every > 0 and self.sent % self.args.kv_every == 0
                 self.sent += 1
                 with trio.move_on_after(REQUEST_TIMEOUT_S) as scope:
-                    reply, kv = await client.generate(rid, prompt, max_new, verify=with_kv)
+                    # Every request reports its pages' digests (the ledger needs every version of
+                    # every page to check the restored ones); every kv_every-th one is also
+                    # compared with a monolithic forward.
+                    reply, kv = await client.generate(rid, prompt, max_new, verify=True)
                 if scope.cancelled_caught:
                     self.unanswered.append(rid)
                     return  # this connection is stuck behind the request: stop this worker
+                kv = kv if with_kv else None
                 self.ended += 1
                 self.outcomes[reply["outcome"]] += 1
                 if reply["outcome"] != "finished":

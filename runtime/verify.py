@@ -53,6 +53,8 @@ class KVLedger:
             versions = self.rank_versions.setdefault(rank, {})
             on = f" on rank {rank}" if rank else ""
             for i, p in enumerate(part["start_pages"]):
+                if p["digest"] is None:  # not read: the request did not ask for proof (`verify`)
+                    continue
                 if p["source"] == "prefill":
                     if p["digest"] != p["sent"]:
                         problems.append(f"{rid}: page {i}{on} differs from what prefill sent")
@@ -92,4 +94,5 @@ class KVLedger:
                 if p["source"] == "prefill" and p["key"] is not None:
                     versions.setdefault(int(p["key"]), set()).add(p["sent"])
             for key, digest in zip(keys, part["final_pages"], strict=False):
-                versions.setdefault(key, set()).add(digest)
+                if digest is not None:
+                    versions.setdefault(key, set()).add(digest)

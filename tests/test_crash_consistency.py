@@ -184,7 +184,7 @@ async def test_a_decode_node_killed_while_storing_restarts_and_serves_exact_kv(t
             prompt = conv.prompt
             try:
                 for turn in range(100):
-                    reply, kv = await client.generate(f"c{conv.index}t{turn}", prompt, MAX_NEW)
+                    reply, kv = await client.generate(f"c{conv.index}t{turn}", prompt, MAX_NEW, verify=True)
                     assert ledger.check(prompt, MAX_NEW, reply, kv) == [], reply
                     conv.replied.append((prompt, reply))
                     replies += 1
