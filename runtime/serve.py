@@ -89,7 +89,7 @@ class ServeOptions:
     extra_decode_args: tuple[str, ...] = ()  # passed on to the decode node started here
     record_trace: Path | None = None  # record the requests served into this new file from the start
     record_trace_dir: Path | None = None  # where /start_trace_recording may write (default: its folder)
-    record_block_size: int = 512  # tokens per hash id in a recorded trace (Mooncake's 512)
+    record_block_size: int | None = None  # tokens per hash id in a recorded trace (None: the page size)
     shared_open_cache: bool = False  # without --api-keys: every caller in one cache namespace
     special_tokens_in_content: bool = False  # special tokens typed in chat messages stay special
 
@@ -361,7 +361,14 @@ async def _recorder(
             opts.record_trace_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise ServeError(f"--record-trace-dir {opts.record_trace_dir}: {exc.strerror or exc}") from exc
-    recorder = TraceRecorder(name, directory=allowed, header=header, block_size=opts.record_block_size)
+    page = header.get("page_size")
+    recorder = TraceRecorder(
+        name,
+        directory=allowed,
+        header=header,
+        block_size=opts.record_block_size,
+        page_size=page if isinstance(page, int) and page > 0 else None,
+    )
     if opts.record_trace is not None:
         try:
             recorder.start(opts.record_trace)

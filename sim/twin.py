@@ -16,8 +16,10 @@ Requests are replayed with their recorded block ids. A session's next prompt nam
 block, what its previous answer left in the cache, so a request's output pages take the keys of
 the following request of its session where that one extends its prompt (other output pages stay
 private, as for any trace). Sessions replay closed-loop: a turn is sent once the previous one is
-answered, after the client's own pause (the gap between arrivals less the previous request's
-measured response time).
+answered, after the client's own pause (recorded: the gap from its previous turn's end), with
+at most as many sessions open at once as the recorded clients kept (`twin_clients.py`).
+A recording whose ids are coarser than the node's pages is refused unless `approximate`.
+Requests whose tiers the replay did not predict are listed with a reason (`twin_tiers.py`).
 
 The twin is in parts: the recording read and checked (`twin_recording.py`), the scenario and
 costs from its header and requests (`twin_scenario.py`), the replay (`twin_replay.py`), the
@@ -33,6 +35,7 @@ from pathlib import Path
 import attrs
 
 from hicache.sim.calibrate import Sample, fit
+from hicache.sim.twin_clients import Clients, check_granularity, infer_clients, think_s
 from hicache.sim.twin_compare import errors, overall, request_rows, tiers_equal, ttft_request_error
 from hicache.sim.twin_intervals import change_intervals, sessions_compared
 from hicache.sim.twin_recording import TIERS, Recorded, Recording, TwinError, read_recording
@@ -48,10 +51,18 @@ from hicache.sim.twin_scenario import (
     scenario,
     scenario_doc,
 )
+from hicache.sim.twin_tiers import TierDiff, reason_counts, tier_differences
 
 # The twin's public names, wherever they are defined: callers name `twin` alone.
 __all__ = [
     "CACHE_POLICY_KEYS",
+    "Clients",
+    "TierDiff",
+    "check_granularity",
+    "infer_clients",
+    "reason_counts",
+    "think_s",
+    "tier_differences",
     "PREFILL_CACHE_BYTES",
     "TIERS",
     "NodeFacts",
@@ -84,14 +95,20 @@ __all__ = [
 
 
 def twin(
-    path: str | Path, overrides: Sequence[str] = (), *, calibrate: bool = True, common: Sequence[str] = ()
+    path: str | Path,
+    overrides: Sequence[str] = (),
+    *,
+    calibrate: bool = True,
+    common: Sequence[str] = (),
+    approximate: bool = False,
 ) -> TwinResult:
     """Replay the recording at `path` as recorded (the prediction of what the node did) and, with
     `overrides`, again with them applied (the what-if). `common` overrides apply to both (e.g.
     `workload.arrivals=open`: turns arrive when they were recorded instead of after the turn
-    before)."""
+    before). `approximate`: replay a recording coarser than the node's pages anyway."""
     rec = read_recording(path)
     facts = node_facts(rec)
+    check_granularity(rec, facts.page_size, approximate=approximate)
     if calibrate:
         try:
             cal = fit(samples(rec), prior=header_costs(facts))
@@ -114,6 +131,9 @@ def twin(
         records=base,
         tiers_equal=tiers_equal(rec, base),
         sequential=sequential,
+        clients=infer_clients(rec),
+        replayed_clients=base_sc.workload.clients,
+        tier_diffs=tuple(tier_differences(rec, base)),
     )
     if not overrides:
         return out

@@ -29,6 +29,10 @@ LINE_KEYS = {
     "input_length",
     "output_length",
     "hash_ids",
+    "page_hash_ids",
+    "finished",
+    "previous_finished",
+    "in_flight",
     "session_id",
     "tenant",
     "cached_tokens",
@@ -62,6 +66,9 @@ class Recorded:
     ttft_s: float | None
     tpot_s: float | None
     finish_reason: str | None
+    finished: float | None = None  # s from the recording's start, when it ended (None: not recorded)
+    previous_finished: float | None = None  # when its session's previous turn ended
+    in_flight: int | None = None  # requests in flight when it arrived
 
     @property
     def answered(self) -> bool:
@@ -69,6 +76,8 @@ class Recorded:
 
     @property
     def e2e_s(self) -> float | None:
+        if self.finished is not None:
+            return max(0.0, self.finished - self.arrival)
         if self.ttft_s is None:
             return None
         return self.ttft_s + (self.tpot_s or 0.0) * max(0, self.output_length - 1)
@@ -78,7 +87,7 @@ class Recorded:
 class Recording:
     path: Path
     header: dict[str, Any]
-    block_size: int
+    block_size: int  # tokens per id of `Recorded.block_ids` (the per-page ids where recorded)
     requests: tuple[Recorded, ...]  # in arrival order
 
     @property
@@ -120,7 +129,7 @@ def _header(path: Path, raw: bytes | None) -> dict[str, Any]:
     return obj
 
 
-def _request(obj: Any, where: str, index: int, block: int) -> Recorded:
+def _request(obj: Any, where: str, index: int, block: int, page_block: int | None) -> Recorded:
     if not isinstance(obj, dict):
         raise TwinError(f"{where}: expected a JSON object, got {type(obj).__name__}")
     unknown = sorted(set(obj) - LINE_KEYS)
@@ -132,6 +141,11 @@ def _request(obj: Any, where: str, index: int, block: int) -> Recorded:
     n_in = _int_field(obj, "input_length", where, low=1)
     n_out = _int_field(obj, "output_length", where)
     ids = _block_ids(obj, "hash_ids", where, n_in, block, partial_last=True)
+    if page_block is not None:  # per-page ids beside coarser blocks: the ones hits are decided at
+        ids = _block_ids(obj, "page_hash_ids", where, n_in, page_block, partial_last=True)
+    in_flight = obj.get("in_flight")
+    if in_flight is not None:
+        in_flight = _int_field(obj, "in_flight", where, low=0)
     session = obj.get("session_id")
     if session is not None and (not isinstance(session, int) or isinstance(session, bool) or session < 0):
         raise TwinError(f"{where}: field 'session_id' must be an integer >= 0, got {session!r}")
@@ -170,7 +184,15 @@ def _request(obj: Any, where: str, index: int, block: int) -> Recorded:
         ttft_s=_optional_number(obj, "ttft_s", where),
         tpot_s=_optional_number(obj, "tpot_s", where),
         finish_reason=finish,
+        finished=_ms(obj, "finished", where),
+        previous_finished=_ms(obj, "previous_finished", where),
+        in_flight=in_flight,
     )
+
+
+def _ms(obj: Mapping[str, Any], key: str, where: str) -> float | None:
+    value = _optional_number(obj, key, where)
+    return None if value is None else value / 1000.0
 
 
 def read_recording(path: str | Path) -> Recording:
@@ -187,15 +209,21 @@ def read_recording(path: str | Path) -> Recording:
         block = header.get("block_size")
         if not isinstance(block, int) or isinstance(block, bool) or block < 1:
             raise TwinError(f"{path}:1: field 'block_size' must be an integer >= 1, got {block!r}")
+        page_block = header.get("page_block_size")
+        if page_block is not None and (
+            not isinstance(page_block, int) or isinstance(page_block, bool) or page_block < 1
+        ):
+            raise TwinError(f"{path}:1: field 'page_block_size' must be an integer >= 1, got {page_block!r}")
         try:
             for lineno, raw in enumerate(f, 2):
                 where = f"{path}:{lineno}"
                 text = _text(raw, where)
                 if text.strip():
-                    requests.append(_request(_json(text, where, "not a JSON object"), where, lineno, block))
+                    obj = _json(text, where, "not a JSON object")
+                    requests.append(_request(obj, where, lineno, block, page_block))
         except TraceError as exc:
             raise TwinError(str(exc)) from None
     if not requests:
         raise TwinError(f"{path}: the recording holds no request")
     requests.sort(key=lambda r: (r.arrival, r.line))
-    return Recording(path, header, block, tuple(requests))
+    return Recording(path, header, page_block or block, tuple(requests))

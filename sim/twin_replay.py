@@ -6,7 +6,8 @@ block, what its previous answer left in the cache, so a request's output pages t
 the following request of its session where that one extends its prompt (other output pages stay
 private, as for any trace). Sessions replay closed-loop: a turn is sent once the previous one is
 answered, after the client's own pause (the gap between arrivals less the previous request's
-measured response time).
+measured response time, or exactly the gap from its end where the recording carries it:
+`hicache.sim.twin_clients`), with at most as many sessions open at once as the recorded clients.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from hicache.scenarios.scenario import (
 from hicache.scenarios.workload import WorkItem
 from hicache.sim.cluster import Cluster
 from hicache.sim.setup import setups
+from hicache.sim.twin_clients import think_s
 from hicache.sim.twin_recording import Recorded, Recording
 
 
@@ -50,10 +52,8 @@ def work_items(
         if before is not None:
             prior, prior_rec = before
             _inherit_output(keys[prior.id], prior, keys[item.id], item, page_size)
-            e2e = prior_rec.e2e_s
-            gap = item.arrival - prior.arrival
             if closed:
-                item = attrs.evolve(item, think=max(0.0, gap - e2e) if e2e is not None else gap)
+                item = attrs.evolve(item, think=think_s(r, prior_rec))
         if item.session:
             previous[item.session] = (item, r)
         out.append(item)

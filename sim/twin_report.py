@@ -11,9 +11,11 @@ import attrs
 
 from hicache.results import RequestRecord
 from hicache.sim.calibrate import Calibration
+from hicache.sim.twin_clients import Clients
 from hicache.sim.twin_compare import request_rows
 from hicache.sim.twin_intervals import DRAWS, LEVEL
 from hicache.sim.twin_recording import TIERS, Recording
+from hicache.sim.twin_tiers import TierDiff, reason_counts
 
 
 @attrs.frozen(slots=True)
@@ -35,6 +37,9 @@ class TwinResult:
     # (`twin_intervals.py`), and how many sessions it was drawn from.
     what_if_intervals: dict[str, tuple[float, float] | None] | None = None
     what_if_sessions: int = 0
+    clients: Clients | None = None  # what the recording says of its clients
+    replayed_clients: int = 0  # the sessions open at once in the replay (0: no limit)
+    tier_diffs: tuple[TierDiff, ...] = ()  # the requests whose tiers differ, with the reason
 
 
 def _pct(x: float | None) -> str:
@@ -71,7 +76,9 @@ def report(res: TwinResult) -> str:
             if c.fallbacks
             else []
         ),
-        f"tiers equal      {res.tiers_equal}/{n} requests (L1, L2, L3 restored tokens as measured)",
+        *_clients_lines(res),
+        f"tiers equal      {res.tiers_equal}/{n} requests (L1, L2, L3 restored tokens as measured)"
+        + _reasons(res),
         "",
     ]
     head = f"{'metric':<16}{'measured':>12}{'predicted':>12}{'error':>10}"
@@ -117,7 +124,7 @@ def report(res: TwinResult) -> str:
             f"(interval: the change over {DRAWS} bootstrap draws of the {res.what_if_sessions} sessions, "
             "the spread over traffic like the recorded; the cost model's own error is the error column)"
         )
-    return "\n".join([*lines, "", *per_request(res)])
+    return "\n".join([*lines, "", *per_request(res), *([""] if res.tier_diffs else []), *tier_lines(res)])
 
 
 PER_REQUEST_ROWS = 40  # printed in full up to this many requests; beyond, only those that differ
@@ -148,6 +155,39 @@ def per_request(res: TwinResult) -> list[str]:
             f"{r['id']:<10}{r['session']:>8}{r['input_length']:>8}  {'/'.join(map(str, m)):>16}  "
             f"{'/'.join(map(str, p)):>16}{_cell(r['measured_ttft_s']):>9}{'':>3}"
             f"{_cell(r['predicted_ttft_s']):>9}{mark}"
+        )
+    return out
+
+
+def _clients_lines(res: TwinResult) -> list[str]:
+    c = res.clients
+    if c is None:
+        return []
+    think = "-" if c.think_mean_s is None else f"{c.think_mean_s:.3f} s mean, {c.think_max_s:.3f} s max"
+    source = "recorded arrivals" if c.from_arrivals else "arrival gaps less measured times"
+    limit = f"at most {res.replayed_clients} sessions open at once" if res.replayed_clients else "no limit"
+    return [
+        f"clients          {c.count or 1} inferred ({c.peak_sessions} sessions open at once at most, "
+        f"{c.peak_in_flight} requests in flight); replayed with {limit}",
+        f"think time       {think} (from {source})",
+    ]
+
+
+def _reasons(res: TwinResult) -> str:
+    counts = reason_counts(list(res.tier_diffs))
+    return "" if not counts else "; differ: " + ", ".join(f"{v} {k}" for k, v in counts.items())
+
+
+def tier_lines(res: TwinResult) -> list[str]:
+    """The requests whose tiers differ, each with its reason (`twin_tiers.py`)."""
+    if not res.tier_diffs:
+        return []
+    out = ["requests whose tiers differ: measured -> predicted L1/L2/L3, reason"]
+    for d in res.tier_diffs[:PER_REQUEST_ROWS]:
+        got = "-" if d.predicted is None else "/".join(map(str, d.predicted))
+        out.append(
+            f"{d.id:<10}{d.session:>8}  {'/'.join(map(str, d.measured)):>14} -> {got:<14} {d.reason}"
+            + (f" ({d.detail})" if d.detail else "")
         )
     return out
 
@@ -184,6 +224,10 @@ def summary_doc(res: TwinResult, sc_doc: Mapping[str, Any] | None = None) -> dic
     out["requests"] = len(res.recording.requests)
     out["compared_requests"] = res.predicted["requests"]
     out["tiers_equal"] = res.tiers_equal
+    out["tier_differences"] = [d.doc() for d in res.tier_diffs]
+    out["tier_difference_reasons"] = reason_counts(list(res.tier_diffs))
+    if res.clients is not None:
+        out["clients"] = {**res.clients.doc(), "replayed_clients": res.replayed_clients}
     out["errors"] = res.errors
     out["calibration"] = res.calibration.to_dict()
     if res.what_if is not None:

@@ -27,6 +27,7 @@ from hicache.scenarios.traces import (
     TRACE_HEADER,
 )
 from hicache.sim.calibrate import Calibration, Sample
+from hicache.sim.twin_clients import infer_clients
 from hicache.sim.twin_recording import Recording, TwinError
 
 DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
@@ -47,6 +48,7 @@ HEADER_KEYS = {
     "measured",
     "decode_nodes",
     "prefill_cache_bytes",
+    "page_block_size",
 }
 GEOMETRY_KEYS = {"layers", "kv_heads", "head_dim", "dtype", "page_bytes", "q_heads"}
 STORAGE_KEYS = {"kind", "capacity_bytes", "capacity_pages"}
@@ -289,6 +291,9 @@ def scenario_doc(rec: Recording, facts: NodeFacts, cal: Calibration) -> dict[str
     workload: dict[str, Any] = {"kind": "trace", "path": str(rec.path.absolute())}
     if any(r.session for r in rec.requests):
         workload["arrivals"] = "closed"
+        clients = infer_clients(rec).count
+        if clients:  # as many sessions open at once as the recorded clients kept
+            workload["clients"] = clients
     cluster: dict[str, Any] = {
         "prefill_nodes": facts.prefill_nodes,
         "decode_nodes": facts.decode_nodes,
@@ -353,6 +358,9 @@ def scenario(rec: Recording, facts: NodeFacts, cal: Calibration, overrides: Sequ
     """The twin's scenario, with `--set` overrides applied; it replays one baseline."""
     source = str(rec.path)
     doc = apply_overrides(scenario_doc(rec, facts, cal), overrides)
+    workload = doc.get("workload", {})
+    if workload.get("arrivals") != "closed" and not any(o.startswith("workload.clients=") for o in overrides):
+        workload.pop("clients", None)  # the inferred clients mean nothing to open arrivals
     out = parse_scenario(doc, source)
     if len(out.run.baselines) != 1:
         raise TwinError(f"--set: run.baselines: the twin replays one baseline, got {list(out.run.baselines)}")

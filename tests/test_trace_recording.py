@@ -473,6 +473,7 @@ def test_hicache_serve_records_what_it_serves(tmp_path: Path, capsys: pytest.Cap
 
     trace = tmp_path / "served.jsonl"
     args = ["--page-size", "16", "--record-trace", str(trace), "--log-dir", str(tmp_path / "logs")]
+    args += ["--record-block-size", str(B)]  # Mooncake's blocks, the per-page ids alongside
     with running(*args, command=("serve",), logs=tmp_path, timeout=600, stop_s=60) as proc:
         url = proc.info["url"]
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
@@ -488,6 +489,10 @@ def test_hicache_serve_records_what_it_serves(tmp_path: Path, capsys: pytest.Cap
     assert header is not None and header["page_size"] == 16 and header["decode_config"]["page_size"] == 16
     assert header["geometry"]["layers"] > 0 and header["nodes"]["decode"] == 1
     assert header["prefill_cache_bytes"] == 512 << 20  # it started the prefill node, at the default
+    assert header["block_size"] == B and header["page_block_size"] == 16
+    pages = [json.loads(line)["page_hash_ids"] for line in trace.read_text().splitlines()[1:]]
+    shared = next(i for i, (x, y) in enumerate(zip(pages[0], pages[1], strict=False)) if x != y)
+    assert shared * 16 > B and pages[2] == pages[0]  # the system prompt's pages past the first block
     assert cli_main(["trace", "stats", str(trace)]) == 0
     out = capsys.readouterr().out
     assert "blocks           6 total, 3 distinct" in out and "ideal hit        0.0%" not in out

@@ -31,7 +31,9 @@ def run_twin(args: argparse.Namespace) -> int:
 
     if args.out is not None:
         check_out(args.out)  # before replaying: a bad --out costs nothing
-    result = twin.twin(args.trace, args.overrides, calibrate=not args.no_calibrate)
+    result = twin.twin(
+        args.trace, args.overrides, calibrate=not args.no_calibrate, approximate=args.approximate
+    )
     print(twin.report(result))
     if args.out is not None:
         for path in twin.write_outputs(args.out, result):

@@ -153,6 +153,12 @@ TWIN = Command(
             action="store_true",
             help="take the costs from the node's own settings in the header instead of fitting them",
         ),
+        arg(
+            "--approximate",
+            action="store_true",
+            help="replay a recording whose hash ids are coarser than the node's pages (refused "
+            "otherwise: hits inside a block are invisible to it)",
+        ),
         SET,
     ),
     run=sim.run_twin,
@@ -573,10 +579,11 @@ SERVE = Command(
         arg(
             "--record-block-size",
             type=int_in(1, 1 << 20),
-            default=512,
+            default=None,
             metavar="TOKENS",
-            help="tokens per hash id in a recorded trace (default 512, Mooncake's; the page size lets "
-            "`hicache sim twin` see every page requests share)",
+            help="tokens per hash id in a recorded trace (default: the page size, which lets "
+            "`hicache sim twin` see every page requests share; a coarser block, e.g. Mooncake's 512, "
+            "keeps per-page ids alongside in page_hash_ids)",
         ),
         CacheFlags(),  # passed on to the decode nodes started here
         SettingFlag(

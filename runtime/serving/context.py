@@ -67,7 +67,7 @@ class Context:
         arrived = getattr(request.state, "arrived", None)
         rec = self.recorder.active  # a request belongs to the recording running when it came
         on_end = None if rec is None else rec.record
-        return Generation(
+        gen = Generation(
             self.backend,
             self.codec,
             self.metrics,
@@ -77,6 +77,9 @@ class Context:
             on_end,
             admission=self.admission,
         )
+        if rec is not None:
+            rec.arrived(gen)  # the requests in flight when it came: the clients' concurrency
+        return gen
 
     async def run_to_end(self, request: Request, gen: Generation) -> bool:
         """Run a non-streaming generation; False if the client left (the backend is aborted)."""

@@ -4,10 +4,17 @@ be replayed in the simulator (`scenarios/traces.py` reads it back).
 The file's first line is a header, `{"hicache_trace_header": 1, ...}`: the serving node's
 configuration. Then one line per request, appended and flushed as the request finishes (so lines
 are in completion order; `timestamp` is the request's arrival, in ms since the recording began):
-`input_length`, `output_length`, and `hash_ids`, one id per 512-token block of the prompt (the
-last block possibly partial), chained: a block's id names the whole prefix through it.
+`input_length`, `output_length`, and `hash_ids`, one id per block of the prompt (the last block
+possibly partial), chained: a block's id names the whole prefix through it. A block is the
+node's page by default (`block_size` in the header), the granularity hits are decided at, so a
+prompt shorter than a block never hides the prefix it shares; with a coarser block (Mooncake's 512
+for other tools) `page_hash_ids` holds the per-page ids alongside.
 
-The ids come from the core's salted page keys (`hicache.core.pages`) at page size 512, keyed by
+The arrival process, so that a replay can drive the clients as they behaved: `finished` (ms, when
+the request ended), `previous_finished` (ms, when the previous turn of its session ended; absent
+for a first turn) and `in_flight` (requests of this recording in flight when it arrived).
+
+The ids come from the core's salted page keys (`hicache.core.pages`) at the block size, keyed by
 the tenant's namespace, then numbered in first-seen order; that numbering lives only in memory.
 So no text leaves the node, identical prompts of one tenant get the same ids and those of two
 tenants never do. Tenants are written as a hash salted per recording, sessions as numbers in
@@ -30,6 +37,7 @@ import json
 import logging
 import secrets
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Hashable, Mapping
 from datetime import UTC, datetime
@@ -94,7 +102,7 @@ def open_trace(path: Path) -> IO[bytes]:
 
 
 class BlockIds:
-    """Chained ids of 512-token blocks: the page key of each block (a partial last block is keyed
+    """Chained ids of `block_size`-token blocks: the page key of each block (a partial last block is keyed
     by its own tokens, chained from the block before), numbered in first-seen order."""
 
     def __init__(
@@ -135,6 +143,7 @@ class Recording:
         header: Mapping[str, Any],
         block_size: int = MOONCAKE_BLOCK,
         *,
+        page_size: int | None = None,
         max_sessions: int = MAX_SESSIONS,
         max_blocks: int = MAX_BLOCKS,
     ) -> None:
@@ -145,10 +154,21 @@ class Recording:
         self._file: IO[bytes] | None = file
         self._whole = 0  # bytes of whole lines written: a failed write is cut back to here
         self._blocks = BlockIds(model_name, block_size, max_blocks=max_blocks)
+        # Per-page ids beside coarser blocks (None: the blocks are pages, or the page is unknown).
+        self._pages = (
+            BlockIds(model_name, page_size, max_blocks=max_blocks)
+            if page_size is not None and page_size < block_size
+            else None
+        )
+        self._live: weakref.WeakSet[Generation] = weakref.WeakSet()  # arrived, not yet recorded
+        self._in_flight: weakref.WeakKeyDictionary[Generation, int] = weakref.WeakKeyDictionary()
+        self._last_end: OrderedDict[int, float] = OrderedDict()  # session number -> ms it ended
         self._salt = secrets.token_bytes(16)
         self._sessions = Numbering(max_sessions)  # salted hash of (tenant, session) -> number
         started = datetime.now(UTC).isoformat(timespec="seconds")
         head = {TRACE_HEADER: HEADER_VERSION, "format": "mooncake", "block_size": block_size}
+        if self._pages is not None:
+            head["page_block_size"] = page_size
         self._write({**head, "order": "completion", "started_at": started, **header})
 
     @property
@@ -177,12 +197,20 @@ class Recording:
             except OSError as exc:
                 self.error = self.error or f"{type(exc).__name__}: {exc}"
 
+    def arrived(self, gen: Generation) -> None:
+        """`gen` has arrived: it is in flight until its line is written (or it is dropped unrun).
+        Holds weak references only, so a request that never ran is never counted for long."""
+        if self._file is not None:
+            self._in_flight[gen] = len(self._live)
+            self._live.add(gen)
+
     def record(self, gen: Generation) -> None:
         """Append `gen`'s line; a write error ends the recording, never the request."""
+        self._live.discard(gen)
         if self._file is None or gen.started < self.began or not gen.job.request.input_ids:
             return  # ended, or the request arrived before this recording began
         try:
-            line = self.line(gen)
+            line = self.line(gen, time.monotonic())
             self._write(line)
         except OSError as exc:
             self.error = f"{type(exc).__name__}: {exc}"
@@ -193,16 +221,32 @@ class Recording:
             return
         self.requests += 1
 
-    def line(self, gen: Generation) -> dict[str, Any]:
+    def line(self, gen: Generation, ended: float | None = None) -> dict[str, Any]:
+        """`gen`'s line; `ended`: when it ended (time.monotonic(); now if not given)."""
         req = gen.job.request
+        arrival = round((gen.started - self.began) * 1000.0, 3)
+        finished = round(((time.monotonic() if ended is None else ended) - self.began) * 1000.0, 3)
         out: dict[str, Any] = {
-            "timestamp": round((gen.started - self.began) * 1000.0, 3),
+            "timestamp": arrival,
             "input_length": len(req.input_ids),
             "output_length": len(gen.output_ids),
             "hash_ids": self._blocks.ids(req.input_ids, req.tenant),
         }
+        if self._pages is not None:
+            out["page_hash_ids"] = self._pages.ids(req.input_ids, req.tenant)
+        out["finished"] = finished
+        in_flight = self._in_flight.pop(gen, None)
+        if in_flight is not None:
+            out["in_flight"] = in_flight
         if req.session:
-            out["session_id"] = self._sessions.number(self._session_key(req.tenant, req.session))
+            number = self._sessions.number(self._session_key(req.tenant, req.session))
+            out["session_id"] = number
+            before = self._last_end.pop(number, None)
+            if before is not None and before <= arrival:
+                out["previous_finished"] = before
+            self._last_end[number] = max(finished, before or 0.0)
+            if len(self._last_end) > self._sessions.cap:
+                self._last_end.popitem(last=False)
         if req.tenant is not None:
             out["tenant"] = hashlib.blake2b(req.tenant.encode(), key=self._salt, digest_size=8).hexdigest()
         out["cached_tokens"] = dict(gen.cached)
@@ -239,7 +283,8 @@ class TraceRecorder:
     """Whether, and where, the front door records: at most one `Recording` at a time, in files
     under `directory` (what the admin endpoints may name) or at the path given at start-up.
     `header` is the node's configuration, written at the top of every file; `block_size` the
-    tokens per hash id (512, Mooncake's; the page size lets a replay see every shared page)."""
+    tokens per hash id (the page size, `page_size`, if not given: a replay then sees every shared
+    page; a coarser one, e.g. Mooncake's 512, writes per-page ids alongside)."""
 
     def __init__(
         self,
@@ -247,10 +292,12 @@ class TraceRecorder:
         *,
         directory: Path | None = None,
         header: Mapping[str, Any] | None = None,
-        block_size: int = MOONCAKE_BLOCK,
+        block_size: int | None = None,
+        page_size: int | None = None,
     ):
         self.model_name = model_name
-        self.block_size = block_size
+        self.page_size = page_size
+        self.block_size = block_size or page_size or MOONCAKE_BLOCK
         self.directory = directory
         self.header: dict[str, Any] = dict(header or {})
         self.current: Recording | None = None
@@ -294,7 +341,9 @@ class TraceRecorder:
             why = f"{path}: cannot create the trace ({exc.strerror or exc})"
             raise RecordingError(why, conflict=isinstance(exc, FileExistsError)) from None
         try:
-            rec = Recording(path, file, self.model_name, self.header, self.block_size)
+            rec = Recording(
+                path, file, self.model_name, self.header, self.block_size, page_size=self.page_size
+            )
         except OSError as exc:
             file.close()
             raise RecordingError(f"{path}: cannot write the trace's header ({exc.strerror or exc})") from None
