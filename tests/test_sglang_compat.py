@@ -9,6 +9,7 @@ answers a prompt with the prompt's own tokens.
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -245,3 +246,23 @@ async def test_served_model_names_are_aliases_clients_may_send_and_v1_models_lis
     async with live(FakeBackend(), aliases=("alias-b", MODEL)) as url:
         listed, text, refused = await trio.to_thread.run_sync(_aliases, url)
     assert listed == [MODEL, "alias-b"] and text == "he" and refused == 404
+
+
+async def test_bench_multiturns_own_payload_is_taken_as_it_is_sent() -> None:
+    """SGLang's benchmark/hicache/bench_multiturn.py `gen_payload`, key for key: its neutral
+    `lora_path`, `return_logprob` and `logprob_start_len` pass the unknown-key and
+    not-supported checks."""
+    payload = {
+        "text": "a prompt",
+        "sampling_params": {"temperature": 0.0, "max_new_tokens": 4, "ignore_eos": True},
+        "stream": True,
+        "lora_path": "",
+        "return_logprob": False,
+        "logprob_start_len": -1,
+    }
+    async with live(FakeBackend()) as url, httpx2.AsyncClient(base_url=url) as c:
+        async with c.stream("POST", "/generate", json=payload) as r:
+            assert r.status_code == 200
+            lines = [line async for line in r.aiter_lines() if line.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]" and json.loads(lines[-2][6:])["text"] == "a pr"
+        assert (await c.post("/flush_cache")).status_code == 200
