@@ -20,7 +20,12 @@ tokens and ideal prefix reuse should match (the chat template's few tokens ahead
 shift the block boundaries by the same amount in every prompt, so shared prefixes stay shared).
 `--keep DIR` keeps the slice and the recording.
 
+`--server-metrics` lets AIPerf scrape the front door's /metrics during the run (its default,
+which the plain run turns off) and prints what its server-metrics summary read: SGLang's prompt,
+generation and cached token counters, the cache hit rate and the KV usage gauges.
+
     .venv/bin/python bench/aiperf_mooncake.py [--lines 40] [--block-size 32] [--speedup 20]
+        [--server-metrics]
 """
 
 from __future__ import annotations
@@ -127,6 +132,7 @@ def main() -> None:
     ap.add_argument("--speedup", type=float, default=20.0, help="trace time / replay time")
     ap.add_argument("--artifacts", type=Path, default=ROOT / "out" / "aiperf")
     ap.add_argument("--keep", type=Path, default=None, help="copy the slice and the recording here")
+    ap.add_argument("--server-metrics", action="store_true", help="let AIPerf scrape /metrics too")
     args = ap.parse_args()
     exe = client_venv("aiperf", AIPERF, "aiperf")
     with tempfile.TemporaryDirectory() as tmp:
@@ -144,7 +150,7 @@ def main() -> None:
             cmd += ["--input-file", str(work / "slice.jsonl"), "--fixed-schedule"]
             cmd += ["--prompt-input-tokens-block-size", str(args.block_size)]
             cmd += ["--output-artifact-dir", str(args.artifacts)]
-            cmd += ["--no-gpu-telemetry", "--no-server-metrics"]
+            cmd += ["--no-gpu-telemetry"] + ([] if args.server_metrics else ["--no-server-metrics"])
             print("$", " ".join(cmd), flush=True)
             done = subprocess.run(cmd, env=env, capture_output=True, text=True)
             print(done.stdout[-6000:])
@@ -162,6 +168,44 @@ def main() -> None:
     for key in sorted(ours):
         if any(k in key for k in ("requests_total", "prompt_tokens", "cached_tokens", "generation_tokens")):
             print(f"{key:60} {ours[key]:>12.0f}")
+    if args.server_metrics:
+        print_server_metrics(args.artifacts / "server_metrics_export.json")
+
+
+AIPERF_READS = (  # what AIPerf's server-metrics summary reads of an SGLang server
+    "sglang:prompt_tokens",
+    "sglang:generation_tokens",
+    "sglang:cached_tokens",
+    "sglang:cache_hit_rate",
+    "sglang:token_usage",
+    "sglang:hicache_host_used_tokens",
+    "sglang:hicache_host_total_tokens",
+    "sglang:num_running_reqs",
+    "sglang:num_queue_reqs",
+    "sglang:time_to_first_token_seconds",
+)
+
+
+def print_server_metrics(export: Path) -> None:
+    """The series AIPerf collected under SGLang's names, as its export holds them."""
+    if not export.exists():
+        print(f"AIPerf wrote no {export.name}")
+        return
+    data = json.loads(export.read_text())
+    found = data.get("metrics", data)
+    print(f"AIPerf's server metrics ({export}):")
+    for name in AIPERF_READS:
+        entry = found.get(name) or found.get(name + "_total")
+        if not entry:
+            print(f"  {name:40} ABSENT")
+            continue
+        for series in entry.get("series", []):
+            labels = series.get("labels") or {}
+            stats = {k: v for k, v in (series.get("stats") or {}).items() if v is not None}
+            shown = ", ".join(
+                f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in stats.items()
+            )
+            print(f"  {name:40} {entry.get('type', '')} {labels} {shown[:200]}")
 
 
 if __name__ == "__main__":

@@ -92,6 +92,7 @@ class ServeOptions:
     record_block_size: int | None = None  # tokens per hash id in a recorded trace (None: the page size)
     shared_open_cache: bool = False  # without --api-keys: every caller in one cache namespace
     special_tokens_in_content: bool = False  # special tokens typed in chat messages stay special
+    served_model_names: tuple[str, ...] = ()  # names clients may call the model by; the first is shown
 
 
 class Codec:
@@ -223,7 +224,7 @@ async def serve(
         try:
             decode_at, admin_key, prefill_at = await _start_nodes(opts, work, logs, supervisor, context)
             each = [NodeBackend(h, p, None, api_key=admin_key) for h, p in decode_at]  # type: ignore[arg-type]
-            limit, running, pool, reserve = context, 0, 0, 0
+            limit, running, pool, reserve, page = context, 0, 0, 0, opts.page_size
             for node in each:
                 try:
                     stats = await node.stats()
@@ -234,6 +235,8 @@ async def serve(
                 running += max(1, int(stats.get("max_running_requests", 1)))
                 pool += int(stats.get("max_total_tokens", 0))  # 0 (a node that does not say): not counted
                 reserve = max(reserve, int(stats.get("decode_reserve_tokens", 0)))
+                if int(stats.get("l1_pages", 0)) > 0:  # a node's own page size, attached or started
+                    page = int(stats.get("max_total_tokens", 0)) // int(stats["l1_pages"]) or page
             info = ModelInfo(
                 name=name,
                 max_context_tokens=limit,
@@ -252,10 +255,13 @@ async def serve(
             admission = Admission(running, queued, max_tokens=pool, reserve_tokens=reserve)
             recorder = await _recorder(opts, name, decode_at, admin_key, len(prefill_at) or None)
             codec = Codec(tokenizer, special_tokens_in_content=opts.special_tokens_in_content)
+            served = opts.served_model_names or (name,)
             app = create_app(
                 backend,
                 codec,
-                model_name=name,
+                model_name=served[0],
+                aliases=served[1:],
+                page_size=page,
                 api_keys=keys,
                 recorder=recorder,
                 admission=admission,

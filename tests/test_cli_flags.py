@@ -98,6 +98,7 @@ BAD = [
     (["run", "SCENARIO", "--runtime"], "--time-scale", "nan"),
     (["run", "SCENARIO", "--runtime"], "--storage-dir", "FILE"),
     (["trace", "stats", "TRACE"], "--time-scale", "0"),
+    (["serve", "--model", "default"], "--served-model-name", " "),
 ]
 
 
@@ -317,3 +318,11 @@ def test_nodes_with_different_secrets_refuse_each_other_at_connect(tmp_path: Pat
     assert f"--prefill 127.0.0.1:{port}" in line and "cluster secret" in line
     assert "does not hold this node's cluster secret" in one_line(prefill.stderr())
     assert prefill.returncode == 0
+
+
+def test_served_model_name_repeats_into_aliases() -> None:
+    from hicache.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--served-model-name", "a", "--served-model-name", "b"])
+    assert args.served_model_name == ["a", "b"]
+    assert build_parser().parse_args(["serve"]).served_model_name == []

@@ -252,7 +252,15 @@ async def test_sglang_streaming_generate_sends_cumulative_text_then_done() -> No
     assert last["finish_reason"] == {"type": "length", "length": len(CODEC.encode(prompt))}
     assert last["prompt_tokens"] == len(CODEC.encode(prompt)) == last["completion_tokens"]
     assert last["cached_tokens"] == 0 and again[-1]["meta_info"]["cached_tokens"] == last["prompt_tokens"]
-    assert again[-1]["meta_info"]["cached_tokens_details"] == {"l1": last["prompt_tokens"], "l2": 0, "l3": 0}
+    hit = last["prompt_tokens"]
+    assert again[-1]["meta_info"]["cached_tokens_details"] == {
+        "device": hit,
+        "host": 0,
+        "storage": 0,
+        "l1": hit,
+        "l2": 0,
+        "l3": 0,
+    }
     assert backend.requests[0].sampling.ignore_eos and backend.requests[0].sampling.temperature == 0.0
 
 
@@ -270,7 +278,15 @@ async def test_sglang_generate_answers_text_or_ids_with_finish_reasons() -> None
             "cached_tokens",
             "e2e_latency",
         }
-        assert set(out["meta_info"]["cached_tokens_details"]) == {"l1", "l2", "l3"}
+        # SGLang's names (python/sglang/srt/managers/scheduler_output_processor_mixin.py) and ours
+        assert set(out["meta_info"]["cached_tokens_details"]) == {
+            "device",
+            "host",
+            "storage",
+            "l1",
+            "l2",
+            "l3",
+        }
 
         r = await c.post(
             "/generate",
@@ -386,7 +402,31 @@ BAD: list[tuple[str, bytes | dict[str, Any], int, str]] = [
     ("/generate", b'{"text": "hi", "sampling_params": {"temperature": NaN}}', 400, "not JSON"),
     ("/generate", {"text": "hi", "input_ids": [1]}, 400, "exactly one"),
     ("/generate", {}, 400, "exactly one"),
-    ("/generate", {"text": ["a", "b"]}, 400, "batches"),
+    ("/generate", {"text": ["a", "b"], "stream": True}, 400, "streaming a batch"),
+    ("/generate", {"text": ["a", "b"], "sampling_params": [{}]}, 400, "1 items for 2 prompts"),
+    ("/generate", {"text": ["a", 5]}, 400, "'text[1]' must be a string"),
+    ("/generate", {"text": []}, 400, "the batch is empty"),
+    ("/generate", {"input_ids": [[1], [1, 999]]}, 400, "'input_ids[1]'"),
+    ("/generate", {"text": "hi", "sampling_params": {"temprature": 0}}, 400, "'sampling_params.temprature'"),
+    ("/generate", {"text": "hi", "max_new_tokens": 4}, 400, "'max_new_tokens' is not a field"),
+    ("/generate", {"text": "hi", "sampling_params": {"no_stop_trim": 1}}, 400, "true or false"),
+    ("/generate", {"text": "hi", "sampling_params": {"skip_special_tokens": False}}, 400, "not supported"),
+    ("/generate", {"text": "hi", "logprob_start_len": 3}, 400, "'logprob_start_len' = 3 is not supported"),
+    ("/generate", {"text": "hi", "priority": 1}, 400, "'priority' = 1 is not supported"),
+    ("/v1/completions", {"prompt": "hi", "max_new_tokens": 4}, 400, "'max_new_tokens' is not a field"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "prompt": "x"},
+        400,
+        "'prompt'",
+    ),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "store": True}, 400, "'store'"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"enable_thinking": True}},
+        400,
+        "'chat_template_kwargs'",
+    ),
     ("/generate", {"text": ""}, 400, "must not be empty"),
     ("/generate", {"text": 5}, 400, "must be a string"),
     ("/generate", {"input_ids": [1, 999]}, 400, "token ids in [0, 260)"),
@@ -596,14 +636,21 @@ async def test_metrics_count_requests_tokens_tiers_and_backend_gauges() -> None:
         r = await c.get("/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     s = _samples(r.text)
+    m = (("model_name", MODEL),)
     assert s[("hicache_requests_total", (("api", "generate"), ("outcome", "length")))] == 3
     assert s[("hicache_requests_total", (("api", "chat"), ("outcome", "length")))] == 1
     assert s[("hicache_requests_total", (("api", "generate"), ("outcome", "rejected")))] == 1
-    assert s[("hicache_time_to_first_token_seconds_count", ())] == 4
-    assert s[("hicache_e2e_request_latency_seconds_count", ())] == 4
-    assert s[("hicache_inter_token_latency_seconds_count", ())] == 3 * 2 + 1
-    assert s[("hicache_prompt_tokens_total", ())] == 3 * 12 + len(CODEC.encode(chat_prompt("x")))
-    assert s[("hicache_generation_tokens_total", ())] == 3 * 3 + 2
+    assert s[("sglang:num_requests_total", m)] == 4  # SGLang counts those that reached the model
+    assert s[("sglang:num_aborted_requests_total", m)] == 0
+    assert s[("sglang:time_to_first_token_seconds_count", m)] == 4
+    assert s[("sglang:e2e_request_latency_seconds_count", m)] == 4
+    assert s[("sglang:inter_token_latency_seconds_count", m)] == 3 * 2 + 1
+    prompt = 3 * 12 + len(CODEC.encode(chat_prompt("x")))
+    assert s[("sglang:prompt_tokens_total", m)] == prompt
+    assert s[("sglang:generation_tokens_total", m)] == 3 * 3 + 2
+    assert s[("sglang:cached_tokens_total", (("cache_source", "device"), *m))] == 2 * 12
+    assert s[("sglang:cached_tokens_total", (("cache_source", "storage"), *m))] == 0
+    assert s[("sglang:cache_hit_rate", m)] == pytest.approx(2 * 12 / prompt)
     assert s[("hicache_cached_tokens_total", (("tier", "l1"),))] == 2 * 12
     assert s[("hicache_cached_tokens_total", (("tier", "l3"),))] == 0
     assert s[("hicache_backend_pool_l1_used_pages", ())] == 3.0
@@ -698,7 +745,12 @@ async def test_stopping_the_server_tells_the_requests_in_flight_before_closing(a
                         if api == "chat"
                         else ("/generate", {"text": "hello"})
                     )
-                    body |= {"stream": True, "max_tokens": 1000, "sampling_params": {"max_new_tokens": 1000}}
+                    body |= {"stream": True}
+                    body |= (
+                        {"max_tokens": 1000}
+                        if api == "chat"
+                        else {"sampling_params": {"max_new_tokens": 1000}}
+                    )
                     async with c.stream("POST", path, json=body) as r:
                         assert r.status_code == 200
                         async for line in r.aiter_lines():

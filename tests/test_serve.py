@@ -261,10 +261,15 @@ def test_metrics_count_requests_and_carry_the_decode_nodes_gauges(stack: Stack) 
     }
     names = {name for name, _ in samples}
     assert sum(v for (n, _), v in samples.items() if n == "hicache_requests_total") >= 1
-    for gauge in ("l1_pages_used", "l1_pages", "transfer_bytes", "requests_running", "restore_bytes"):
+    for gauge in ("l1_pages_used", "l1_pages", "requests_running"):
         assert f"hicache_backend_{gauge}" in names, sorted(names)
+    for counter in ("transfer_bytes", "restore_bytes", "arrived"):  # cumulative: counters
+        assert f"hicache_backend_{counter}_total" in names, sorted(names)
     assert samples[("hicache_backend_l1_pages", ())] == 128
-    assert samples[("hicache_backend_transfer_bytes", ())] > 0
+    assert samples[("hicache_backend_transfer_bytes_total", ())] > 0
+    by_name = {n: (dict(labels), v) for (n, labels), v in samples.items()}
+    assert by_name["sglang:cache_config_info"] == ({"page_size": str(PAGE), "num_pages": "128"}, 1.0)
+    assert by_name["sglang:max_total_num_tokens"][1] == 128 * PAGE
 
 
 # The stack's decode node holds 128 L1 pages less 2 reserved: prompts of at most 126 pages.

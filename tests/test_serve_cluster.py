@@ -75,5 +75,5 @@ def test_each_conversation_returns_to_the_node_holding_its_history(front: dict[s
         held = meta["cached_tokens_details"]["l1"] + meta["cached_tokens_details"]["l2"]
         assert held >= 2 * PAGE, meta
     m = metrics(url)
-    routed = [m[f"hicache_backend_node{i}_routed"] for i in range(2)]
+    routed = [m[f"hicache_backend_node{i}_routed_total"] for i in range(2)]
     assert sum(routed) == 6 and min(routed) > 0, m

@@ -213,6 +213,13 @@ def run_serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    blank = [n for n in args.served_model_name if not n.strip() or not n.isprintable()]
+    if blank:
+        print(
+            f"hicache serve: --served-model-name {blank[0]!r}: expected a printable, non-blank name",
+            file=sys.stderr,
+        )
+        return 2
     plain = ServeOptions()
     scheduling = [
         flag
@@ -269,6 +276,7 @@ def run_serve(args: argparse.Namespace) -> int:
         record_block_size=args.record_block_size,
         shared_open_cache=args.shared_open_cache,
         special_tokens_in_content=args.special_tokens_in_content,
+        served_model_names=tuple(args.served_model_name),
     )
     try:
         return main(opts)

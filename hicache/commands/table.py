@@ -455,6 +455,14 @@ SERVE = Command(
         DTYPE,
         KV_CACHE_DTYPE,
         PREFILL_SCHEDULER,  # passed on to the prefill nodes started here
+        arg(
+            "--served-model-name",
+            action="append",
+            default=[],
+            metavar="NAME",
+            help="a name clients may send as `model` and /v1/models lists (SGLang's flag; repeat it "
+            "for aliases; the first is the one responses and metrics carry; default: the model's own)",
+        ),
         arg("--host", default="127.0.0.1", help="the front door's address"),
         arg("--port", type=PORT, default=0, help="the front door's port (0: any free one)"),
         arg("--engine", choices=ENGINES, default="tcp", help="the P->D transfer engine"),

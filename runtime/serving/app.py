@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import trio
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -95,6 +95,8 @@ def create_app(
     admission: Admission | None = None,
     health: Health | None = None,
     shared_open_cache: bool = False,
+    aliases: Sequence[str] = (),
+    page_size: int = 1,
 ) -> Starlette:
     """An ASGI app for `backend`; `codec` tokenizes prompts and detokenizes output.
 
@@ -106,6 +108,9 @@ def create_app(
     unless `shared_open_cache` (auth.py). `admission`: the bounded queue requests wait
     in before they reach the backend (admission.py; None: none); `health`: what the front door
     knows of the nodes behind it, which /health and /health_generate answer by (health.py).
+    `model_name` is the name responses and metrics carry; clients may also call the model by
+    any of `aliases` (SGLang's repeatable --served-model-name). `page_size`: the decode nodes'
+    tokens per KV page, as SGLang's /server_info reports it.
     """
     app = Starlette(
         routes=[
@@ -117,7 +122,7 @@ def create_app(
         ],
         exception_handlers={ApiError: _api_error, HTTPException: _http_error},
     )
-    ctx_metrics = Metrics()
+    ctx_metrics = Metrics(model_name)
     if admission is not None:
         ctx_metrics.watch(admission)
     app.state.ctx = Context(
@@ -132,5 +137,7 @@ def create_app(
         recorder=recorder if recorder is not None else TraceRecorder(model_name),
         admission=admission,
         health=health if health is not None else Health(),
+        aliases=tuple(aliases),
+        page_size=page_size,
     )
     return app

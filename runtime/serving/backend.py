@@ -16,6 +16,21 @@ from hicache.runtime.wire.sampling_fields import Sampling
 
 TIERS = ("l1", "l2", "l3")  # decode GPU pool, host memory, storage: the tiers cached tokens came from
 
+# The `stats()` names that count since the node started (Prometheus counters); every other stat is
+# a gauge, read as it is now. A routed backend's per-node copies (`node0_arrived`) count too.
+CUMULATIVE_STATS = frozenset(
+    {
+        # the decode node's core (hicache/core/decode_base.py NodeStats, all but max_loads_in_flight)
+        "arrived", "admitted", "finished", "aborted", "failed", "retracted", "prompt_tokens",
+        "l1_tokens", "l2_tokens", "l3_tokens", "transferred_tokens", "fallback_tokens",
+        "storage_queries", "prefetches", "load_batches", "transfer_retries", "transfers_abandoned",
+        "bad_l2_pages",
+        # what the node moved (runtime/decode/status.py MOVED) and where a router sent requests
+        "restore_batches", "restore_bytes", "prefetch_batches", "prefetch_bytes", "backup_bytes",
+        "transfer_bytes", "routed",
+    }
+)  # fmt: skip
+
 FinishReason = Literal["stop", "length", "abort", "error"]
 
 
@@ -98,7 +113,8 @@ class Backend(Protocol):
 
     async def stats(self) -> Mapping[str, float]:
         """Gauges for /metrics, e.g. queue lengths, pool occupancy per tier, restore bytes and
-        batches, transfer bytes. Names are snake_case; each becomes `hicache_backend_<name>`."""
+        batches, transfer bytes. Names are snake_case; each becomes `hicache_backend_<name>`, a
+        counter if it is in `CUMULATIVE_STATS`, else a gauge."""
         ...
 
     def model_info(self) -> ModelInfo: ...

@@ -46,6 +46,13 @@ class Context:
     admission: Admission | None = None  # the bounded queue in front of the backend; None: none
     health: Health = attrs.field(factory=Health)
     shutdown: Shutdown = attrs.field(factory=Shutdown)  # ends what is in flight when the server stops
+    aliases: tuple[str, ...] = ()  # more names clients may call the model by (--served-model-name)
+    page_size: int = 1  # tokens per KV page at the decode nodes (SGLang's server_info reports it)
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """Every name the model answers to, the one responses carry first."""
+        return (self.model_name, *(a for a in self.aliases if a != self.model_name))
 
     async def encode(self, text: str) -> list[int]:
         if len(text) > THREAD_ENCODE_CHARS:
@@ -93,6 +100,33 @@ class Context:
                 await until_disconnect(request, drain)
         except Disconnected:
             return stopping.cancel_called  # cut short by the server stopping, not by the client
+        return True
+
+    async def run_all_to_end(self, request: Request, gens: list[Generation]) -> bool:
+        """Run a batch of non-streaming generations at once (SGLang's list of prompts); False if
+        the client left (every one still running is aborted). A refusal of one (a full queue)
+        ends them all and comes out as itself."""
+
+        async def drain(gen: Generation) -> None:
+            with self.shutdown.guard(gen):  # the server stopping ends it as an abort
+                async for _ in gen.run():
+                    pass
+
+        async def drain_all() -> None:
+            try:
+                async with trio.open_nursery() as nursery:
+                    for gen in gens:
+                        nursery.start_soon(drain, gen)
+            except BaseExceptionGroup as group:
+                refused = [e for e in group.exceptions if isinstance(e, ApiError)]
+                if refused:
+                    raise refused[0] from None
+                raise
+
+        try:
+            await until_disconnect(request, drain_all)
+        except Disconnected:
+            return False
         return True
 
     async def start_stream(self, request: Request, gen: Generation) -> Stream | None:

@@ -38,12 +38,14 @@ ABORT_GRACE_S = 5.0  # how long a backend may take to abort a request it is told
 class Job:
     """A checked request: `api` labels metrics and logs, `stop` holds the stop strings, and
     `public_id` is the id the client sees (SGLang lets a client name it; the backend's `rid`
-    is always the front door's own, so two clients cannot collide)."""
+    is always the front door's own, so two clients cannot collide). The text ends before the
+    stop string or stop token that ended it, as SGLang's does, unless `no_stop_trim`."""
 
     api: str
     request: GenerateRequest
     stop: tuple[str, ...] = ()
     public_id: str | None = None
+    no_stop_trim: bool = False  # SGLang's: keep the matched stop string or stop token in the text
 
 
 @attrs.frozen
@@ -97,7 +99,9 @@ class Generation:
         self._metrics = metrics
         self._eos = frozenset(eos)
         self._detok = IncrementalDetokenizer(codec)
-        self._stops = StopStrings(job.stop)
+        self._stops = StopStrings(job.stop, keep=job.no_stop_trim)
+        # A client's stop token id ends the request (the node stops on it), so it is the last id.
+        self._trim_ids = frozenset(() if job.no_stop_trim else job.request.sampling.stop_token_ids)
         self.started = time.monotonic() if arrived is None else arrived
         self.output_ids: list[int] = []
         self.prompt_tokens = len(job.request.input_ids)
@@ -185,16 +189,15 @@ class Generation:
         if self._last_token_at is None:
             self._first_token_at = now
             self.ttft_s = now - self.started
-            self._metrics.ttft.observe(self.ttft_s)
+            self._metrics.first_token(self.ttft_s)
         elif event.ids:
-            per_token = (now - self._last_token_at) / len(event.ids)
-            for _ in event.ids:
-                self._metrics.itl.observe(per_token)
+            self._metrics.inter_token(now - self._last_token_at, len(event.ids))
         self._last_token_at = now
         if event.cached_tokens is not None:
             self._set_cached(event.cached_tokens)
         self.output_ids.extend(event.ids)
-        delta = self._stops.feed(self._detok.push(event.ids))
+        shown = event.ids[:-1] if event.ids and event.ids[-1] in self._trim_ids else event.ids
+        delta = self._stops.feed(self._detok.push(shown))
         if self._stops.matched is not None:
             self._end("stop", matched=self._stops.matched)  # `run` breaks, which aborts the backend
         return delta
@@ -237,14 +240,10 @@ class Generation:
     def _account(self) -> None:
         """Metrics and the one log line of a finished request (a warning if it failed)."""
         assert self.finish is not None
-        m = self._metrics
         e2e = self.elapsed_s
-        m.requests.labels(self.job.api, self.finish.reason).inc()
-        m.e2e.observe(e2e)
-        m.prompt_tokens.inc(self.prompt_tokens)
-        m.generation_tokens.inc(len(self.output_ids))
-        for tier in TIERS:
-            m.cached_tokens.labels(tier).inc(self.cached[tier])
+        self._metrics.finished(
+            self.job.api, self.finish.reason, self.prompt_tokens, len(self.output_ids), self.cached, e2e
+        )
         ttft = "-" if self.ttft_s is None else f"{self.ttft_s:.3f}s"
         line = (
             f"rid={self.rid} api={self.job.api} tenant={self.job.request.tenant} "

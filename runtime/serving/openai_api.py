@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from hicache.runtime.serving import params
+from hicache.runtime.serving import known_keys, params
 from hicache.runtime.serving.backend import GenerateRequest
 from hicache.runtime.serving.context import Context, Stream, context, generation_route, gone
 from hicache.runtime.serving.errors import JSON, ApiError, bad_request, dumps, show, unavailable
@@ -42,12 +42,14 @@ _UNSUPPORTED = (
 
 
 def check_model(ctx: Context, body: dict[str, Any]) -> None:
-    """`model` may be left out (the node serves one); any other name is OpenAI's 404."""
+    """`model` may be left out (the node serves one) or be any name it is served under
+    (--served-model-name); any other name is OpenAI's 404."""
     model = body.get("model")
-    if model is not None and model != ctx.model_name:
+    if model is not None and model not in ctx.model_names:
+        names = " or ".join(repr(n) for n in ctx.model_names)
         raise ApiError(
             404,
-            f"The model {show(model)} does not exist; this server serves {ctx.model_name!r}",
+            f"The model {show(model)} does not exist; this server serves {names}",
             param="model",
             code="model_not_found",
         )
@@ -116,7 +118,8 @@ async def parse(
 ) -> tuple[Job, bool, bool]:
     """A request as a Job, whether it streams, and whether the stream ends with usage."""
     check_model(ctx, body)
-    params.refuse_unsupported(body, _UNSUPPORTED)
+    known_keys.refuse_unknown(body, known_keys.CHAT if chat else known_keys.COMPLETIONS)
+    params.refuse_unsupported(body, _UNSUPPORTED + known_keys.OPENAI_NEUTRAL)
     if chat:
         input_ids = await ctx.chat_prompt(chat_messages(body.get("messages")))
     else:
@@ -138,7 +141,8 @@ async def parse(
     # OpenAI's `user` names the end user: the conversation a session-affinity router keeps together.
     session = "" if body.get("user") is None else params.text(body.get("user"), "user", allow_empty=True)
     req = GenerateRequest(ctx.new_rid(), input_ids, max_new, s.spec, tenant, session)
-    return Job("chat" if chat else "completions", req, s.stop), streaming, usage
+    keep = False if body.get("no_stop_trim") is None else params.boolean(body["no_stop_trim"], "no_stop_trim")
+    return Job("chat" if chat else "completions", req, s.stop, no_stop_trim=keep), streaming, usage
 
 
 def finish_reason(gen: Generation) -> str | None:
@@ -237,9 +241,9 @@ def endpoint(chat: bool) -> Callable[[Request], Any]:
     return generation_route("chat" if chat else "completions")(handle)
 
 
-def _model_card(ctx: Context) -> dict[str, Any]:
+def _model_card(ctx: Context, name: str) -> dict[str, Any]:
     return {
-        "id": ctx.model_name,
+        "id": name,
         "object": "model",
         "created": int(ctx.started_at),
         "owned_by": "hicache",
@@ -250,7 +254,7 @@ def _model_card(ctx: Context) -> dict[str, Any]:
 async def list_models(request: Request) -> Response:
     ctx = context(request)
     ctx.auth.principal(request)
-    return JSON({"object": "list", "data": [_model_card(ctx)]})
+    return JSON({"object": "list", "data": [_model_card(ctx, name) for name in ctx.model_names]})
 
 
 async def get_model(request: Request) -> Response:
@@ -258,7 +262,7 @@ async def get_model(request: Request) -> Response:
     ctx.auth.principal(request)
     name = request.path_params["model"]
     check_model(ctx, {"model": name})
-    return JSON(_model_card(ctx))
+    return JSON(_model_card(ctx, name))
 
 
 ROUTES = [

@@ -12,11 +12,12 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
-from hicache.runtime.serving import params
+from hicache.runtime.serving import known_keys, params
 from hicache.runtime.serving.backend import TIERS, GenerateRequest, Sampling, Tokens
 from hicache.runtime.serving.context import Context, Stream, context, generation_route, gone
 from hicache.runtime.serving.errors import JSON, bad_request, show, unavailable
 from hicache.runtime.serving.generation import Generation, Job, aclose_shielded
+from hicache.runtime.serving.metrics import CACHE_SOURCES
 from hicache.runtime.serving.params import Unsupported
 from hicache.runtime.serving.sse import DONE, EventStream, event
 
@@ -40,37 +41,75 @@ _UNSUPPORTED_SAMPLING = (
 )
 
 
-async def parse_generate(ctx: Context, body: dict[str, Any], tenant: str | None) -> tuple[Job, bool]:
-    """A /generate body as a Job, and whether it streams."""
-    params.refuse_unsupported(body, _UNSUPPORTED_TOP)
+def _per_prompt(value: object, n: int, param: str) -> list[Any]:
+    """A batch field: one value for every prompt, or a list of one per prompt."""
+    if not isinstance(value, list):
+        return [value] * n
+    if len(value) != n:
+        raise bad_request(f"'{param}' holds {len(value)} items for {n} prompts", param)
+    return value
+
+
+async def parse_generate(
+    ctx: Context, body: dict[str, Any], tenant: str | None
+) -> tuple[list[Job], bool, bool]:
+    """A /generate body as its Jobs (one per prompt), whether it is a batch (a list of texts or
+    of token-id lists: answered with a list), and whether it streams."""
+    known_keys.refuse_unknown(body, known_keys.GENERATE)
+    params.refuse_unsupported(body, _UNSUPPORTED_TOP + known_keys.GENERATE_NEUTRAL)
     text, ids = body.get("text"), body.get("input_ids")
     if (text is None) == (ids is None):
         raise bad_request("give exactly one of 'text' and 'input_ids'")
-    if isinstance(text, list) or (isinstance(ids, list) and ids and isinstance(ids[0], list)):
-        raise bad_request("batches are not supported: send one prompt per request")
-    if text is not None:
-        input_ids = await ctx.encode(params.text(text, "text"))
-    else:
-        input_ids = params.token_ids(ids, "input_ids", ctx.info.vocab_size, ctx.info.max_context_tokens)
-    raw = body.get("sampling_params")
-    raw = {} if raw is None else raw
+    batch = isinstance(text, list) or (isinstance(ids, list) and bool(ids) and isinstance(ids[0], list))
+    prompts: list[Any] = (text if text is not None else ids) if batch else [text if text is not None else ids]
+    if not prompts:
+        raise bad_request("the batch is empty", "text" if text is not None else "input_ids")
+    stream = False if body.get("stream") is None else params.boolean(body.get("stream"), "stream")
+    if batch and stream:
+        raise bad_request("streaming a batch is not supported: stream one prompt per request", "stream")
+    raws = (
+        _per_prompt(body.get("sampling_params"), len(prompts), "sampling_params")
+        if batch
+        else [body.get("sampling_params")]
+    )
+    rids = _per_prompt(body.get("rid"), len(prompts), "rid") if batch else [body.get("rid")]
+    session = session_id(body)
+    jobs = []
+    for n, (prompt, raw, rid) in enumerate(zip(prompts, raws, rids, strict=True)):
+        where = f"[{n}]" if batch else ""
+        if text is not None:
+            input_ids = await ctx.encode(params.text(prompt, "text" + where))
+        else:
+            input_ids = params.token_ids(
+                prompt, "input_ids" + where, ctx.info.vocab_size, ctx.info.max_context_tokens
+            )
+        jobs.append(_job(ctx, input_ids, {} if raw is None else raw, rid, tenant, session, where))
+    return jobs, batch, stream
+
+
+def _job(
+    ctx: Context, input_ids: list[int], raw: object, rid: object, tenant: str | None, session: str, where: str
+) -> Job:
+    param = "sampling_params" + where
     if not isinstance(raw, dict):
-        raise bad_request("'sampling_params' must be an object", "sampling_params")
-    params.refuse_unsupported(raw, _UNSUPPORTED_SAMPLING, "sampling_params.")
+        raise bad_request(f"'{param}' must be an object", param)
+    known_keys.refuse_unknown(raw, known_keys.SAMPLING, param + ".")
+    params.refuse_unsupported(raw, _UNSUPPORTED_SAMPLING + known_keys.SAMPLING_NEUTRAL, param + ".")
     s = params.sampling(
         raw,
         max_keys=("max_new_tokens",),
         seed_keys=("seed", "sampling_seed"),
         vocab_size=ctx.info.vocab_size,
         max_context=ctx.info.max_context_tokens,
-        where="sampling_params.",
+        where=param + ".",
     )
+    keep = raw.get("no_stop_trim")
+    keep = False if keep is None else params.boolean(keep, param + ".no_stop_trim")
     max_new = params.settle_max_new_tokens(
-        len(input_ids), s.max_new_tokens, DEFAULT_MAX_NEW_TOKENS, ctx.info.max_context_tokens, "text"
+        len(input_ids), s.max_new_tokens, DEFAULT_MAX_NEW_TOKENS, ctx.info.max_context_tokens, "text" + where
     )
-    stream = False if body.get("stream") is None else params.boolean(body.get("stream"), "stream")
-    req = GenerateRequest(ctx.new_rid(), input_ids, max_new, s.spec, tenant, session_id(body))
-    return Job("generate", req, s.stop, params.request_id(body.get("rid"), "rid")), stream
+    req = GenerateRequest(ctx.new_rid(), input_ids, max_new, s.spec, tenant, session)
+    return Job("generate", req, s.stop, params.request_id(rid, "rid" + where), no_stop_trim=keep)
 
 
 def session_id(body: dict[str, Any]) -> str:
@@ -101,13 +140,16 @@ def finish_reason(gen: Generation) -> dict[str, Any] | None:
 
 
 def meta_info(gen: Generation) -> dict[str, Any]:
+    """SGLang's meta_info; `cached_tokens_details` under SGLang's names (device, host, storage)
+    and ours (l1, l2, l3)."""
+    details = {CACHE_SOURCES[tier]: gen.cached[tier] for tier in TIERS}
     return {
         "id": gen.job.public_id or gen.rid,
         "finish_reason": finish_reason(gen),
         "prompt_tokens": gen.prompt_tokens,
         "completion_tokens": len(gen.output_ids),
         "cached_tokens": sum(gen.cached.values()),
-        "cached_tokens_details": {tier: gen.cached[tier] for tier in TIERS},
+        "cached_tokens_details": details | {tier: gen.cached[tier] for tier in TIERS},
         "e2e_latency": gen.elapsed_s,
     }
 
@@ -135,10 +177,20 @@ async def sse_body(gen: Generation, stream: Stream) -> AsyncGenerator[bytes, Non
 async def generate(request: Request) -> Response:
     ctx = context(request)
     principal = ctx.auth.principal(request)
-    job, streaming = await parse_generate(
+    jobs, batch, streaming = await parse_generate(
         ctx, await params.read_json(request, ctx.max_body_bytes), principal.tenant
     )
-    gen = ctx.generation(request, job)
+    if batch:
+        gens = [ctx.generation(request, job) for job in jobs]
+        if not await ctx.run_all_to_end(request, gens):
+            return gone()
+        for gen in gens:
+            if gen.failed:
+                assert gen.finish is not None
+                message = gen.finish.message or "the backend gave up on the request"
+                raise unavailable(message, code=gen.finish.reason)
+        return JSON([snapshot(gen) for gen in gens])
+    gen = ctx.generation(request, jobs[0])
     if streaming:
         stream = await ctx.start_stream(request, gen)
         return gone() if stream is None else EventStream(sse_body(gen, stream))
@@ -199,7 +251,14 @@ async def health_generate(request: Request) -> Response:
     return Response(status_code=200)
 
 
+async def ready(request: Request) -> Response:
+    """SGLang's readiness probe: 200 once the server takes requests, while every node is up."""
+    _check_nodes(context(request))
+    return JSON({"status": "ready"})
+
+
 async def get_model_info(request: Request) -> Response:
+    """SGLang's /model_info (and its older name /get_model_info)."""
     ctx = context(request)
     ctx.auth.principal(request)
     return JSON(
@@ -207,6 +266,10 @@ async def get_model_info(request: Request) -> Response:
             "model_path": ctx.info.name,
             "tokenizer_path": ctx.info.name,
             "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": "default",
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
             "served_model_name": ctx.model_name,
             "max_context_tokens": ctx.info.max_context_tokens,
         }
@@ -221,15 +284,30 @@ def _version() -> str:
 
 
 async def get_server_info(request: Request) -> Response:
+    """SGLang's /server_info (and /get_server_info): the server's settings under SGLang's names
+    (its clients read `page_size` to count cache hits in whole pages, `max_total_num_tokens`
+    and `internal_states`), then ours."""
     ctx = context(request)
     ctx.auth.principal(request)
-    info = ctx.info
+    info, a = ctx.info, ctx.admission
     return JSON(
         {
             "version": _version(),
             "model_path": info.name,
+            "tokenizer_path": info.name,
             "served_model_name": ctx.model_name,
+            "served_model_names": list(ctx.model_names),
             "context_length": info.max_context_tokens,
+            "page_size": ctx.page_size,
+            "max_total_num_tokens": None if a is None or not a.max_tokens else a.max_tokens,
+            "max_running_requests": None if a is None else a.max_running,
+            "max_queued_requests": None if a is None else a.max_queued,
+            "disaggregation_mode": "decode",
+            "disable_radix_cache": False,
+            "enable_hierarchical_cache": True,
+            "skip_tokenizer_init": False,
+            "is_embedding": False,
+            "internal_states": [{"avg_spec_accept_length": None, "last_gen_throughput": None}],
             "vocab_size": info.vocab_size,
             "eos_token_ids": list(info.eos_token_ids),
             "default_max_new_tokens": DEFAULT_MAX_NEW_TOKENS,
@@ -245,6 +323,9 @@ ROUTES = [
     Route("/flush_cache", flush_cache, methods=["GET", "POST"]),
     Route("/health", health, methods=["GET"]),
     Route("/health_generate", health_generate, methods=["GET"]),
+    Route("/ready", ready, methods=["GET"]),
+    Route("/model_info", get_model_info, methods=["GET"]),
     Route("/get_model_info", get_model_info, methods=["GET"]),
+    Route("/server_info", get_server_info, methods=["GET"]),
     Route("/get_server_info", get_server_info, methods=["GET"]),
 ]

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 
 class StopStrings:
-    def __init__(self, stops: tuple[str, ...]) -> None:
+    def __init__(self, stops: tuple[str, ...], *, keep: bool = False) -> None:
+        """`keep`: the text ends after the stop string instead of before it (SGLang's
+        `no_stop_trim`)."""
         self._stops = tuple(s for s in stops if s)
+        self._keep = keep
         self._longest = max((len(s) for s in self._stops), default=0)
         self._text = ""
         self._released = 0
@@ -24,14 +27,16 @@ class StopStrings:
 
     def feed(self, delta: str, *, final: bool = False) -> str:
         """Add final text; return what may be shown now. After a match (see `matched`) the
-        text ends before the stop string and feeding more changes nothing."""
+        text ends before the stop string (after it, with `keep`) and feeding more changes
+        nothing."""
         if self.matched is not None:
             return ""
         start = max(0, len(self._text) - self._longest + 1)
         self._text += delta
         cut = self._first_match(start)
         if cut is not None:
-            self._text = self._text[:cut]
+            assert self.matched is not None
+            self._text = self._text[: cut + len(self.matched) if self._keep else cut]
             final = True
         end = len(self._text) if final else len(self._text) - self._held()
         out = self._text[self._released : end]
