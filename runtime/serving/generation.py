@@ -11,6 +11,7 @@ import logging
 import math
 import time
 from collections.abc import AsyncGenerator, Callable, Mapping
+from typing import Any
 
 import attrs
 import trio
@@ -100,6 +101,7 @@ class Generation:
         self._stops = StopStrings(job.stop)
         self.started = time.monotonic() if arrived is None else arrived
         self.output_ids: list[int] = []
+        self.logprobs: list[Any] = []  # per output id when the sampling asks for them (else empty)
         self.prompt_tokens = len(job.request.input_ids)
         self.cached: dict[str, int] = dict.fromkeys(TIERS, 0)
         self.ttft_s: float | None = None
@@ -194,6 +196,9 @@ class Generation:
         if event.cached_tokens is not None:
             self._set_cached(event.cached_tokens)
         self.output_ids.extend(event.ids)
+        if self.job.request.sampling.logprobs:
+            lps = list(event.logprobs or ())
+            self.logprobs.extend(lps[: len(event.ids)] + [None] * (len(event.ids) - len(lps)))
         delta = self._stops.feed(self._detok.push(event.ids))
         if self._stops.matched is not None:
             self._end("stop", matched=self._stops.matched)  # `run` breaks, which aborts the backend
