@@ -107,12 +107,13 @@ print(json.dumps(out))
 
 LANGCHAIN_CLIENT = r"""
 import json, sys
+from langchain_core.messages import HumanMessage
 from langchain_openai import ChatOpenAI
 
 url, model = sys.argv[1], sys.argv[2]
 llm = ChatOpenAI(base_url=url + "/v1", api_key="unused", model=model, max_tokens=5, n=2,
                  temperature=0.9, logprobs=True, top_logprobs=2)
-result = llm.generate([[("user", "Name a colour.")]])
+result = llm.generate([[HumanMessage("Name a colour.")]])
 gens = result.generations[0]
 print(json.dumps({
     "choices": len(gens),
