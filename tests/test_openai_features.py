@@ -5,11 +5,13 @@ whose answer to a prompt is the prompt's own tokens and whose log-probability of
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
+import httpx2
 import trio
-from serving_fakes import ByteCodec, ToolCodec
-from test_http_api import GUARD_S, MODEL, echo, live
+from serving_fakes import ByteCodec, FakeBackend, ToolCodec
+from test_http_api import GUARD_S, MODEL, _leave_after, echo, live, poll
 
 CODEC = ByteCodec()
 
@@ -141,3 +143,39 @@ async def test_tools_and_tool_calls_are_rendered_by_a_template_that_has_them() -
         '<tools>weather;</tools>\n<user>rain?<assistant><call>weather({"city":"Oslo"})</call>'
         "<tool>wet[c1]<assistant>"  # trim_blocks, as Hugging Face renders, eats the newlines
     )
+
+
+async def test_a_client_leaving_a_stream_of_several_choices_aborts_every_one() -> None:
+    backend = FakeBackend(delay_s=0.02)
+    async with live(backend) as (url, _):
+        body = {"model": MODEL, "prompt": ["one", "two"], "n": 2, "max_tokens": 4000, "stream": True}
+        await _leave_after(url, "/v1/completions", body, b'"text":"o')
+        await poll(lambda: len(backend.aborted) == 4)
+    assert sorted(backend.aborted) == sorted(r.rid for r in backend.requests) and not backend.active
+
+
+async def test_a_client_leaving_before_several_whole_answers_aborts_every_one() -> None:
+    backend = FakeBackend(delay_s=0.05)
+    async with live(backend) as (url, _), httpx2.AsyncClient(base_url=url) as c:
+        body = {"model": MODEL, "prompt": "slow", "n": 3, "max_tokens": 4000}
+        with trio.CancelScope() as scope:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(functools.partial(c.post, "/v1/completions", json=body))
+                await poll(lambda: len(backend.active) == 3)
+                scope.cancel()
+        await poll(lambda: len(backend.aborted) == 3)
+    assert not backend.active
+
+
+async def test_a_choice_that_fails_fails_the_request_and_ends_the_others() -> None:
+    backend = FakeBackend(delay_s=0.01, fail_after=3)
+    async with live(backend) as (url, _), httpx2.AsyncClient(base_url=url, timeout=GUARD_S) as c:
+        whole = await c.post(
+            "/v1/completions", json={"model": MODEL, "prompt": "abc", "n": 2, "max_tokens": 9}
+        )
+        assert whole.status_code == 503, whole.text
+        streamed = await c.post(
+            "/v1/completions", json={"model": MODEL, "prompt": "abc", "n": 2, "max_tokens": 9, "stream": True}
+        )
+    assert '"error"' in streamed.text and streamed.text.endswith("data: [DONE]\n\n")
+    assert not backend.active
