@@ -30,12 +30,14 @@ import signal
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import attrs
 import trio
 
 from hicache.core.router import Router
 from hicache.runtime.launch import NodeFailed, NodeProcess, start_node
+from hicache.runtime.model.chat_template import template_features
 from hicache.runtime.model.tokenizer import ChatTokenizer
 from hicache.runtime.security.api_keys import ApiKeys
 from hicache.runtime.serve_checks import ServeError
@@ -108,13 +110,22 @@ class Codec:
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(ids)
 
+    @property
+    def chat_features(self) -> frozenset[str]:
+        template = self.tokenizer.chat_template
+        return template_features(template) if template else frozenset()
+
     def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         return self.tokenizer.encode_chat(
             messages,
             add_generation_prompt=add_generation_prompt,
             special_tokens_in_content=self.special_tokens_in_content,
+            tools=tools,
         )
 
 

@@ -4,6 +4,7 @@ in-process backend. Never used outside tests."""
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Sequence
+from typing import Any
 
 import attrs
 import trio
@@ -31,11 +32,46 @@ class ByteCodec:
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
+    chat_features: frozenset[str] = frozenset()  # renders roles and contents only
+
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         if messages[-1]["role"] == "tool" and len(messages) == 1:
             raise ValueError("a conversation cannot open with a tool message")
         text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
         return text + ("<assistant>" if add_generation_prompt else "")
+
+
+# A chat template in the manner of Qwen2.5's: tools in the system turn, tool calls as JSON.
+TOOL_TEMPLATE = (
+    "{% if tools %}<tools>{% for t in tools %}{{ t.function.name }};{% endfor %}</tools>\n{% endif %}"
+    "{% for m in messages %}<{{ m.role }}>{{ m.content }}"
+    "{% if m.tool_calls %}{% for c in m.tool_calls %}<call>{{ c.function.name }}"
+    "({{ c.function.arguments }})</call>{% endfor %}{% endif %}"
+    "{% if m.tool_call_id %}[{{ m.tool_call_id }}]{% endif %}\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+
+class ToolCodec(ByteCodec):
+    """A ByteCodec whose chat template renders tools and tool calls, through the real renderer."""
+
+    def __init__(self) -> None:
+        from hicache.runtime.model.chat_template import template_features
+
+        self.chat_features = template_features(TOOL_TEMPLATE)
+
+    def apply_chat_template(  # type: ignore[override]
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tools: Any = None
+    ) -> str:
+        from hicache.runtime.model.chat_template import render_chat
+
+        return render_chat(TOOL_TEMPLATE, messages, add_generation_prompt=add_generation_prompt, tools=tools)
+
+
+def fake_logprob(token: int, top: int) -> list[Any]:
+    """What FakeBackend reports for `token`: log-probability -0.25, then `top` alternatives."""
+    alternatives = [[token, -0.25]] + [[(token + k) % 256, -1.0 - k] for k in range(1, top)]
+    return [-0.25, alternatives[:top]]
 
 
 @attrs.define
@@ -112,7 +148,9 @@ class FakeBackend:
                     return
                 # The tier account rides on the first token, so a request the front door
                 # ends early (a stop string) still reports its hits.
-                yield Tokens([token], cached if n == 0 else None)
+                sampling = req.sampling
+                lps = [fake_logprob(token, sampling.top_logprobs)] if sampling.logprobs else None
+                yield Tokens([token], cached if n == 0 else None, logprobs=lps)
             done = True
             yield Finished("length", "", len(req.input_ids), cached, 0.0)
         finally:

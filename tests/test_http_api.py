@@ -33,10 +33,12 @@ CODEC = ByteCodec()
 
 
 @contextlib.asynccontextmanager
-async def live(backend: FakeBackend | None = None, **kwargs: Any) -> AsyncIterator[tuple[str, FakeBackend]]:
+async def live(
+    backend: FakeBackend | None = None, codec: ByteCodec = CODEC, **kwargs: Any
+) -> AsyncIterator[tuple[str, FakeBackend]]:
     """The app on 127.0.0.1, port 0, served by Hypercorn's trio worker in this trio run."""
     backend = FakeBackend() if backend is None else backend
-    app = create_app(backend, CODEC, model_name=MODEL, **kwargs)
+    app = create_app(backend, codec, model_name=MODEL, **kwargs)
     async with trio.open_nursery() as nursery:
         port = await nursery.start(serve_http, app, "127.0.0.1", 0)
         yield f"http://127.0.0.1:{port}", backend
@@ -89,7 +91,7 @@ def _openai_session(url: str) -> dict[str, Any]:
         client.chat.completions.create(model="no-such-model", messages=msgs)
     out["missing"] = missing.value
     with pytest.raises(openai.BadRequestError) as two:
-        client.completions.create(model=MODEL, prompt="x", n=2)
+        client.completions.create(model=MODEL, prompt="x", n=17)
     out["n2"] = two.value
     return out
 
@@ -445,12 +447,21 @@ BAD: list[tuple[str, bytes | dict[str, Any], int, str]] = [
     ("/generate", {"text": "hi", "sampling_params": []}, 400, "must be an object"),
     ("/generate", {"text": "hi", "stream": "yes"}, 400, "'stream'"),
     ("/generate", {"text": "\ud800"}, 400, "lone surrogate"),
-    ("/generate", {"text": "hi", "return_logprob": True}, 400, "not supported"),
+    ("/generate", {"text": "hi", "return_logprob": True, "logprob_start_len": 0}, 400, "logprob_start_len"),
+    ("/generate", {"text": "hi", "return_logprob": True, "top_logprobs_num": 21}, 400, "top_logprobs_num"),
     ("/v1/completions", {"model": "other", "prompt": "hi"}, 404, "does not exist"),
-    ("/v1/completions", {"model": MODEL, "prompt": ["a", "b"]}, 400, "batches"),
+    ("/v1/completions", {"model": MODEL, "prompt": ["a", 3]}, 400, "'prompt[1]'"),
+    ("/v1/completions", {"model": MODEL, "prompt": ["a"] * 129}, 400, "more than 128"),
+    ("/v1/completions", {"model": MODEL, "prompt": ["a"] * 9, "n": 16}, 400, "over 128 choices"),
     ("/v1/completions", {"model": MODEL, "prompt": {"a": 1}}, 400, "'prompt'"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "'max_tokens'"),
-    ("/v1/completions", {"model": MODEL, "prompt": "hi", "logprobs": 2}, 400, "not supported"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "logprobs": 21}, 400, "'logprobs'"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "logprobs": 1, "echo": True}, 400, "'echo' with"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "top_logprobs": 2}, 400, "not supported"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"999": 1}}, 400, "'logit_bias'"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "presence_penalty": 3}, 400, "'presence_penalty'"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "min_p": 1}, 400, "'min_p'"),
     (
         "/v1/completions",
         {"model": MODEL, "prompt": "hi", "stream_options": {"include_usage": True}},
@@ -473,9 +484,33 @@ BAD: list[tuple[str, bytes | dict[str, Any], int, str]] = [
     ),
     (
         "/v1/chat/completions",
-        {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 3},
+        {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 17},
         400,
         "'n'",
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+        400,
+        "needs 'logprobs'",
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+        400,
+        "'tools' cannot be rendered",
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            "model": MODEL,
+            "messages": [
+                {"role": "user", "content": "x"},
+                {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}]},
+            ],
+        },
+        400,
+        "'messages[1].tool_calls' cannot be rendered",
     ),
     ("/v1/nothing", {}, 404, "Not Found"),
 ]

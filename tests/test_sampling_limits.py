@@ -67,6 +67,14 @@ _VALUES = {
     "sampling_seed": _SCALARS,
     "stop_token_ids": _STOP_IDS,
     "ignore_eos": st.booleans() | _SCALARS,
+    "min_p": _SCALARS,
+    "presence_penalty": _SCALARS,
+    "frequency_penalty": _SCALARS,
+    "repetition_penalty": _SCALARS,
+    "logit_bias": st.dictionaries(
+        st.sampled_from(["0", "511", "512", "-1", "x", "7"]), _SCALARS | st.floats(-101, 101), max_size=3
+    )
+    | _SCALARS,
 }
 
 

@@ -23,7 +23,7 @@ from hicache.runtime.decode.live import Live, LiveTable
 from hicache.runtime.kv.kv_digest import page_digest
 from hicache.runtime.kv.kv_pool import KVPool
 from hicache.runtime.model.llama import TinyModel, from_pages
-from hicache.runtime.model.sampling import sample
+from hicache.runtime.model.sampling import TokenLogprob, choose
 from hicache.runtime.wire.sampling_fields import Sampling
 
 # Runs one step's forward (given as a function of no arguments) off the event loop.
@@ -41,6 +41,9 @@ class _Step:
     positions: list[int] = attrs.Factory(list)
     tokens: list[int] = attrs.Factory(list)
     sampling: list[Sampling] = attrs.Factory(list)
+    prompts: list[list[int]] = attrs.Factory(list)  # what the penalties read (empty: none asked)
+    outputs: list[list[int]] = attrs.Factory(list)
+    logprobs: list[TokenLogprob | None] = attrs.Factory(list)  # filled by the forward
 
 
 class Batch:
@@ -147,9 +150,9 @@ class Batch:
             part = batch[first : first + len(self.scratch)]
             step = self._plan(part)
             tokens = await forward(lambda step=step: self._forward(step))
-            for live, scratch, token in zip(part, self.scratch, tokens, strict=False):
+            for live, scratch, token, lp in zip(part, self.scratch, tokens, step.logprobs, strict=False):
                 if live.running:
-                    self._advance(live, scratch, token)
+                    self._advance(live, scratch, token, lp)
 
     def _finish_done(self, batch: list[Live], now: float) -> list[Live]:
         """Feed `Finished` for the requests of `batch` that drew a stop token or reached
@@ -183,19 +186,25 @@ class Batch:
             step.positions.append(pos)
             step.tokens.append(live.tokens[pos])
             step.sampling.append(live.sampling)
+            penalized = live.sampling.penalized  # a copy: the step's thread reads it
+            step.prompts.append(live.prompt if penalized else [])
+            step.outputs.append(list(live.gen) if penalized else [])
         return step
 
     def _forward(self, step: _Step) -> list[int]:
-        """One forward for the whole batch (in a worker thread), and the next token of each."""
+        """One forward for the whole batch (in a worker thread), and the next token of each (their
+        log-probabilities, where asked for, land in `step.logprobs`)."""
         data = self.l1.data
         for copy in step.copies:
             if copy is not None:
                 src, dst, offset = copy
                 data[dst, :, :, :offset] = data[src, :, :, :offset]
         logits = self.model.decode_batch(data, step.tables, step.positions, step.tokens)
-        return sample(logits, step.sampling, [p + 1 for p in step.positions])  # every row seeded
+        positions = [p + 1 for p in step.positions]  # every row seeded
+        tokens, step.logprobs = choose(logits, step.sampling, positions, step.prompts, step.outputs)
+        return tokens
 
-    def _advance(self, live: Live, scratch: int, token: int) -> None:
+    def _advance(self, live: Live, scratch: int, token: int, lp: TokenLogprob | None) -> None:
         """The step's token KV exists: tell the core (it grants the page), then copy it there."""
         page = self.page
         pos = live.kv_len
@@ -206,9 +215,9 @@ class Batch:
         if not live.running:
             # Retracted by its own growth: this step's KV got no page, but its token stands; on
             # resume the token at `pos` is part of the prompt whose KV prefill or the cache gives.
-            live.add_token(token)
+            live.add_token(token, lp)
             return
         slot = live.slots[pos // page]  # granted by an ExtendKV while the core took the Decoded
         self.l1.data[slot, :, :, pos % page] = self.l1.data[scratch, :, :, pos % page]
         live.kv_len = pos + 1
-        live.add_token(token)
+        live.add_token(token, lp)

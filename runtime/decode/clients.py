@@ -254,6 +254,7 @@ class Clients:
             "outcome": live.outcome,
             "reason": live.reason,
             "tokens": live.gen,
+            **({"logprobs": live.logprobs} if live.sampling.logprobs else {}),
             "ttft_s": live.first_token_at - live.arrival if live.first_token_at >= 0 else None,
             "e2e_s": self.feed.now() - live.arrival,
             "promised_tokens": max(live.promised, 0),
@@ -297,6 +298,8 @@ class Clients:
             changed = live.changed
             if len(live.gen) > sent:
                 frame: dict[str, Any] = {"op": "tokens", "rid": live.rid, "tokens": live.gen[sent:]}
+                if live.sampling.logprobs:
+                    frame["logprobs"] = live.logprobs[sent:]
                 if not sent and live.account:  # where the prompt's KV came from, known at start
                     frame["account"] = live.account
                 sent = len(live.gen)

@@ -25,6 +25,8 @@ class Live:
     arrival: float
     answer: trio.Event = attrs.Factory(trio.Event)
     gen: list[int] = attrs.Factory(list)
+    # Per generated token when its sampling asks for them: [logprob, [[id, logprob], ...]].
+    logprobs: list[Any] = attrs.Factory(list)
     kv_len: int = 0  # tokens whose KV is in the request's L1 pages
     slots: list[int] = attrs.Factory(list)  # its L1 pages while running (StartDecode + ExtendKV)
     running: bool = False
@@ -72,9 +74,12 @@ class Live:
                 raise ValueError(f"page_keys: {pages} pages of {page_size} tokens, it holds {held}")
             extend_page_keys(self.keys, new, page_size, self.seed)
 
-    def add_token(self, token: int) -> None:
-        """Append a generated token and wake whoever streams this request's tokens."""
+    def add_token(self, token: int, logprob: Any = None) -> None:
+        """Append a generated token (and its log-probabilities, when asked for) and wake whoever
+        streams this request's tokens."""
         self.gen.append(token)
+        if self.sampling.logprobs:
+            self.logprobs.append(None if logprob is None else [logprob[0], [list(p) for p in logprob[1]]])
         self.changed.set()
         self.changed = trio.Event()
 

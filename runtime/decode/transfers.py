@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 from typing import Any
 
 import trio
@@ -161,7 +162,7 @@ class Transfers:
         for j, digest in enumerate(reply["digests"]):
             live.received[c.start // page + j] = digest
         if not live.gen:
-            live.add_token(int(reply["first_token"]))
+            live.add_token(int(reply["first_token"]), reply.get("first_logprob"))
         self.feed.put(ev.KVArrived(self.feed.now(), c.req, c.transfer))
 
     def request_ended(self, req: str) -> None:
@@ -210,6 +211,12 @@ class Transfers:
         token = reply.get("first_token")
         if type(token) is not int or not 0 <= token < self.vocab:
             return f"prefill's answer: field 'first_token' must be a token id, got {protocol.show(token)}"
+        lp = reply.get("first_logprob")
+        if lp is not None and not is_token_logprob(lp, self.vocab):
+            return (
+                "prefill's answer: field 'first_logprob' must be [logprob, [[token id, logprob], ...]], "
+                f"got {protocol.show(lp)}"
+            )
         return ""
 
     def _digests(self, dst: list[int]) -> list[str]:
@@ -234,3 +241,18 @@ def _cached_tokens(value: object) -> dict[str, int]:
         for k, v in value.items()
         if k in ("l1", "l2", "l3") and isinstance(v, int) and not isinstance(v, bool) and v >= 0
     }
+
+
+def is_token_logprob(value: object, vocab: int) -> bool:
+    """Whether `value` is a token's log-probabilities as the nodes send them:
+    [logprob, [[token id, logprob], ...]], each logprob a finite number (at most 0)."""
+
+    def number(x: object) -> bool:
+        return isinstance(x, int | float) and not isinstance(x, bool) and -math.inf < x <= 1e-9
+
+    if not (isinstance(value, list) and len(value) == 2 and number(value[0]) and isinstance(value[1], list)):
+        return False
+    return all(
+        isinstance(p, list) and len(p) == 2 and type(p[0]) is int and 0 <= p[0] < vocab and number(p[1])
+        for p in value[1]
+    )

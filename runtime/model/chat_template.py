@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 
@@ -48,6 +50,20 @@ def compile_template(template: str) -> jinja2.Template:
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env.from_string(template)
+
+
+@functools.lru_cache(maxsize=16)
+def template_features(template: str) -> frozenset[str]:
+    """What `template` renders beyond roles and contents: "tools" if it reads the `tools` variable,
+    "tool_calls" if it reads a message's `tool_calls` (a template that names neither would drop
+    them, so a request holding them is refused instead)."""
+    env = ImmutableSandboxedEnvironment(extensions=[jinja2.ext.loopcontrols])
+    found = set()
+    if "tools" in jinja2.meta.find_undeclared_variables(env.parse(template)):
+        found.add("tools")
+    if re.search(r"\btool_calls\b", template):
+        found.add("tool_calls")
+    return frozenset(found)
 
 
 def render_chat(

@@ -1,4 +1,6 @@
-"""Choosing the next token from logits: greedy, or sampled with temperature, top-k, top-p, min-p.
+"""Choosing the next token from logits: penalties and bias first (`adjust`), then greedy, or
+sampled with temperature, top-k, top-p, min-p (`sample`); and the log-probabilities a client
+asked for (`logprobs`), of the model's own distribution.
 
 Sampling is deterministic per `(seed, position)`: each row draws its one uniform number from a
 generator seeded by a hash of the request's seed and the token's position, never from a shared
@@ -9,12 +11,17 @@ ask for, and after a restart or a retraction that recomputes it (given the same 
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections.abc import Sequence
 from typing import Protocol
 
 import torch
 
 MIN_TEMPERATURE = 1e-6  # below it, logits / temperature overflows: drawn greedily, as SGLang does
+FLOOR_LOGPROB = -9999.0  # what an impossible token's log-probability is reported as (JSON has no -inf)
+
+# A chosen token's log-probability, and the most likely tokens' (id, log-probability), best first.
+TokenLogprob = tuple[float, list[tuple[int, float]]]
 
 
 class Knobs(Protocol):
@@ -36,6 +43,20 @@ class Knobs(Protocol):
     def min_p(self) -> float: ...
     @property
     def seed(self) -> int | None: ...
+    @property
+    def presence_penalty(self) -> float: ...
+    @property
+    def frequency_penalty(self) -> float: ...
+    @property
+    def repetition_penalty(self) -> float: ...
+    @property
+    def logit_bias(self) -> tuple[tuple[int, float], ...]: ...
+    @property
+    def penalized(self) -> bool: ...
+    @property
+    def logprobs(self) -> bool: ...
+    @property
+    def top_logprobs(self) -> int: ...
 
 
 def is_greedy(params: Knobs) -> bool:
@@ -107,3 +128,96 @@ def sample(
             raise ValueError(f"params[{b}]: seed is None and no request_keys were given to derive it from")
         out.append(_sample_row(logits[b], p, _uniform(seed, int(positions[b]))))
     return out
+
+
+def _counts(seqs: Sequence[Sequence[int]], vocab: int, dtype: torch.dtype) -> torch.Tensor:
+    """(len(seqs), vocab): how often each token occurs in each sequence, in one scatter."""
+    lengths = torch.tensor([len(q) for q in seqs], dtype=torch.int64)
+    flat = torch.tensor(list(itertools.chain.from_iterable(seqs)), dtype=torch.int64)
+    rows = torch.repeat_interleave(torch.arange(len(seqs)), lengths)
+    out = torch.zeros((len(seqs), vocab), dtype=dtype)
+    return out.index_put_((rows, flat), torch.ones(flat.shape, dtype=dtype), accumulate=True)
+
+
+def adjust(
+    logits: torch.Tensor,
+    params: Sequence[Knobs],
+    prompts: Sequence[Sequence[int]],
+    outputs: Sequence[Sequence[int]],
+) -> torch.Tensor:
+    """`logits` `(B, vocab)` with each row's penalties and bias applied (the rows without any
+    unchanged; `logits` itself untouched), batched over the rows that have one.
+
+    In vLLM's order: `repetition_penalty` (Hugging Face's and SGLang's: a positive logit of a token
+    seen in prompt or output divided by it, a negative one multiplied), then `frequency_penalty`
+    times the token's count in the output and `presence_penalty` once if it occurs there (OpenAI's,
+    subtracted), then `logit_bias` added.
+    """
+    rows = [b for b, p in enumerate(params) if p.penalized]
+    if not rows:
+        return logits
+    vocab, dtype = logits.shape[1], logits.dtype
+    index = torch.tensor(rows, dtype=torch.int64)
+    sub = logits[index].clone()
+
+    def column(name: str) -> torch.Tensor:
+        return torch.tensor([getattr(params[b], name) for b in rows], dtype=dtype)[:, None]
+
+    rep = column("repetition_penalty")
+    if bool((rep != 1.0).any()):
+        seen = _counts([[*prompts[b], *outputs[b]] for b in rows], vocab, dtype) > 0
+        sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+    counts = _counts([outputs[b] for b in rows], vocab, dtype)
+    sub = sub - column("frequency_penalty") * counts - column("presence_penalty") * (counts > 0).to(dtype)
+    pairs = [(r, t, bias) for r, b in enumerate(rows) for t, bias in params[b].logit_bias]
+    if pairs:
+        r, t, bias = zip(*pairs, strict=True)
+        at = (torch.tensor(r, dtype=torch.int64), torch.tensor(t, dtype=torch.int64))
+        sub.index_put_(at, torch.tensor(bias, dtype=dtype), accumulate=True)
+    out = logits.clone()
+    out[index] = sub
+    return out
+
+
+def logprobs(
+    logits: torch.Tensor, params: Sequence[Knobs], chosen: Sequence[int]
+) -> list[TokenLogprob | None]:
+    """For each row that asked (`logprobs`), the chosen token's log-probability and its
+    `top_logprobs` most likely tokens (ties: the lower id first); None for the others.
+
+    They are the model's own distribution, the log-softmax of its raw logits: before penalties,
+    bias, temperature and the top-k/top-p/min-p filters (vLLM's default, `raw_logprobs`), so a
+    token's figure does not depend on how it was drawn.
+    """
+    rows = [b for b, p in enumerate(params) if p.logprobs]
+    out: list[TokenLogprob | None] = [None] * len(params)
+    if not rows:
+        return out
+    index = torch.tensor(rows, dtype=torch.int64)
+    lp = torch.log_softmax(logits[index].to(torch.float64), dim=1)
+    lp = torch.nan_to_num(lp, neginf=FLOOR_LOGPROB)
+    picked = lp.gather(1, torch.tensor([chosen[b] for b in rows], dtype=torch.int64)[:, None])[:, 0].tolist()
+    k = max(params[b].top_logprobs for b in rows)
+    top_ids: list[list[int]] = [[] for _ in rows]
+    top_lp: list[list[float]] = [[] for _ in rows]
+    if k:
+        order = torch.sort(-lp, dim=1, stable=True).indices[:, :k]
+        top_ids, top_lp = order.tolist(), lp.gather(1, order).tolist()
+    for r, b in enumerate(rows):
+        n = params[b].top_logprobs
+        out[b] = (picked[r], list(zip(top_ids[r][:n], top_lp[r][:n], strict=True)))
+    return out
+
+
+def choose(
+    logits: torch.Tensor,
+    params: Sequence[Knobs],
+    positions: Sequence[int],
+    prompts: Sequence[Sequence[int]],
+    outputs: Sequence[Sequence[int]],
+    request_keys: Sequence[int | str] | None = None,
+) -> tuple[list[int], list[TokenLogprob | None]]:
+    """The next token of each row (`adjust`, then `sample`) and its log-probabilities where
+    asked for: what both nodes do with a step's logits."""
+    tokens = sample(adjust(logits, params, prompts, outputs), params, positions, request_keys)
+    return tokens, logprobs(logits, params, tokens)

@@ -47,7 +47,7 @@ from hicache.core.prefill_sched import PrefillScheduler, Refused
 from hicache.runtime.kv.kv_layout import KVLayout
 from hicache.runtime.kv.kv_pool import KVPool
 from hicache.runtime.model.llama import LlamaModel
-from hicache.runtime.model.sampling import sample
+from hicache.runtime.model.sampling import choose
 from hicache.runtime.prefill.kv_out import KVOut
 from hicache.runtime.prefill.prefill_cache import DEFAULT_CACHE_BYTES, PrefillCache, Speeds
 from hicache.runtime.prefill.prefill_steps import Prompt, Stepper
@@ -368,9 +368,14 @@ class PrefillNode:
             self.streamed += prompt.out is not None and prompt.out.during_compute > 0
             # The first token is drawn here as the decode node draws the rest; a message without
             # a seed (the decode node always sends one) draws from seed 0.
-            (first_token,) = sample(done.logits[None, :], [sampling], [len(tokens)], request_keys=[0])
+            # Penalties see the prompt (repetition) and no output yet; logprobs where asked for.
+            (first_token,), (first_logprob,) = choose(
+                done.logits[None, :], [sampling], [len(tokens)], [tokens], [[]], request_keys=[0]
+            )
             cached = {"l1": done.l1, "l2": done.l2, "l3": done.l3}
             reply.update(ok=True, first_token=first_token, digests=digests, cached=cached)
+            if first_logprob is not None:
+                reply["first_logprob"] = [first_logprob[0], [list(p) for p in first_logprob[1]]]
         except (protocol.MessageError, Refused) as exc:  # the same message is refused again: no retry
             reply.update(ok=False, refused=True, reason=str(exc))
         except Exception as exc:  # answered, not raised: the decode node retries or fails the request

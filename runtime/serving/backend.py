@@ -8,7 +8,7 @@ tests and the real decode node are interchangeable without touching the app.
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Mapping, Sequence
-from typing import Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import attrs
 
@@ -59,6 +59,9 @@ class Tokens:
 
     ids: list[int]
     cached_tokens: Mapping[str, int] | None = None
+    # When the request's sampling asks for them, one per id: [logprob, [[id, logprob], ...]]
+    # (the chosen token's log-probability and the most likely tokens', best first).
+    logprobs: Sequence[Any] | None = None
 
 
 @attrs.frozen
@@ -133,8 +136,11 @@ class TextCodec(Protocol):
     def decode(self, ids: Sequence[int]) -> str: ...
 
     def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
     ) -> list[int] | str:
-        """`messages` are [{"role", "content"}] with string content. A str result is encoded
-        with `encode`; errors (e.g. a jinja2 `raise_exception`) reach the client as a 400."""
+        """`messages` are [{"role", "content"}] with string content (and an assistant's
+        `tool_calls`, a tool's `tool_call_id`, when the codec's `chat_features` name them; a
+        codec that takes `tools` lists "tools" there and takes them as a keyword). A str result
+        is encoded with `encode`; errors (e.g. a jinja2 `raise_exception`) reach the client as a
+        400."""
         ...

@@ -4,11 +4,13 @@ generation to its end or to its first token while watching for the client leavin
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+import sys
 import time
 import uuid
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from typing import Any
 
 import attrs
@@ -59,8 +61,19 @@ class Context:
             return await trio.to_thread.run_sync(self.codec.encode, text)
         return self.codec.encode(text)
 
-    async def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
-        apply = functools.partial(self.codec.apply_chat_template, messages, add_generation_prompt=True)
+    def chat_features(self) -> frozenset[str]:
+        """What the chat template renders beyond roles and contents ("tools", "tool_calls")."""
+        return frozenset(getattr(self.codec, "chat_features", ()))
+
+    async def chat_prompt(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        """The prompt's token ids (`tools` passed to the template only when given, as Hugging
+        Face passes them)."""
+        extra = {} if tools is None else {"tools": tools}
+        apply = functools.partial(
+            self.codec.apply_chat_template, messages, add_generation_prompt=True, **extra
+        )
         try:
             if sum(len(m["content"]) for m in messages) > THREAD_ENCODE_CHARS:
                 out = await trio.to_thread.run_sync(apply)
@@ -90,68 +103,72 @@ class Context:
 
     async def run_to_end(self, request: Request, gen: Generation) -> bool:
         """Run a non-streaming generation; False if the client left (the backend is aborted)."""
+        return await self.run_all_to_end(request, [gen])
 
-        async def drain() -> None:
+    async def run_all_to_end(self, request: Request, gens: Sequence[Generation]) -> bool:
+        """Run non-streaming generations side by side (one request's choices); False if the
+        client left (every backend request is aborted)."""
+
+        async def drain(gen: Generation) -> None:
             async for _ in gen.run():
                 pass
 
-        try:
-            with self.shutdown.guard(gen) as stopping:  # `gen` then ends as an abort, answered as one
-                await until_disconnect(request, drain)
-        except Disconnected:
-            return stopping.cancel_called  # cut short by the server stopping, not by the client
-        return True
-
-    async def run_all_to_end(self, request: Request, gens: list[Generation]) -> bool:
-        """Run a batch of non-streaming generations at once (SGLang's list of prompts); False if
-        the client left (every one still running is aborted). A refusal of one (a full queue)
-        ends them all and comes out as itself."""
-
-        async def drain(gen: Generation) -> None:
-            with self.shutdown.guard(gen):  # the server stopping ends it as an abort
-                async for _ in gen.run():
-                    pass
-
         async def drain_all() -> None:
-            try:
-                async with trio.open_nursery() as nursery:
-                    for gen in gens:
-                        nursery.start_soon(drain, gen)
-            except BaseExceptionGroup as group:
-                refused = [e for e in group.exceptions if isinstance(e, ApiError)]
-                if refused:
-                    raise refused[0] from None
-                raise
+            await _together([functools.partial(drain, gen) for gen in gens])
 
-        try:
-            await until_disconnect(request, drain_all)
-        except Disconnected:
-            return False
+        with contextlib.ExitStack() as guards:
+            # Each `gen` then ends as an abort, answered as one.
+            scopes = [guards.enter_context(self.shutdown.guard(gen)) for gen in gens]
+            try:
+                await until_disconnect(request, drain_all)
+            except Disconnected:
+                return any(s.cancel_called for s in scopes)  # cut short by the server stopping
         return True
 
     async def start_stream(self, request: Request, gen: Generation) -> Stream | None:
         """Start a streaming generation and wait for its first text (or its end) while watching
         the client: a request refused before its first token still gets a 503 status, not a
         200 stream holding an error. None if the client left."""
-        tail = gen.run()
-        head = None
+        streams = await self.start_streams(request, [gen])
+        return None if streams is None else streams[0]
+
+    async def start_streams(self, request: Request, gens: Sequence[Generation]) -> list[Stream] | None:
+        """`start_stream` for generations side by side (one request's choices): each has its
+        first text or has ended; any refused before its first token is a 503 for them all."""
+        tails = [gen.run() for gen in gens]
+        heads: list[str | None] = [None] * len(gens)
+
+        async def first(i: int) -> None:
+            heads[i] = await anext(tails[i], None)
+
+        async def all_first() -> None:
+            await _together([functools.partial(first, i) for i in range(len(gens))])
+
         try:
-            with self.shutdown.guard(gen) as stopping:
+            with contextlib.ExitStack() as guards:
+                scopes = [guards.enter_context(self.shutdown.guard(gen)) for gen in gens]
                 try:
-                    head = await until_disconnect(request, functools.partial(anext, tail, None))
+                    await until_disconnect(request, all_first)
                 except Disconnected:
-                    if not stopping.cancel_called:  # the server stopping: answered as an abort
+                    if not any(s.cancel_called for s in scopes):  # the server stopping: an abort
                         raise
-        except Disconnected:
-            await aclose_shielded(tail)
-            return None
         except BaseException:
-            await aclose_shielded(tail)
+            for tail in tails:
+                await aclose_shielded(tail)
+            if isinstance(sys.exception(), Disconnected):
+                return None
             raise
-        if head is None and gen.failed and not gen.output_ids:
-            assert gen.finish is not None
-            raise unavailable(gen.finish.message or "the backend refused the request", code=gen.finish.reason)
-        return Stream([] if head is None else [head], tail, gen, self.shutdown)
+        for gen, head in zip(gens, heads, strict=True):
+            if head is None and gen.failed and not gen.output_ids:
+                for tail in tails:
+                    await aclose_shielded(tail)
+                assert gen.finish is not None
+                message = gen.finish.message or "the backend refused the request"
+                raise unavailable(message, code=gen.finish.reason)
+        return [
+            Stream([] if head is None else [head], tail, gen, self.shutdown)
+            for gen, head, tail in zip(gens, heads, tails, strict=True)
+        ]
 
     def new_rid(self) -> str:
         return uuid.uuid4().hex
@@ -184,6 +201,34 @@ class Stream:
                 yield piece
         finally:
             await aclose_shielded(self.tail)
+
+
+async def _together(fns: Sequence[Callable[[], Awaitable[None]]]) -> None:
+    """Run `fns` side by side (one alone: in this task); a refusal (`ApiError`, such as a full
+    queue's 503) out of any comes out as itself, not inside an exception group."""
+    if len(fns) == 1:
+        await fns[0]()
+        return
+    try:
+        async with trio.open_nursery() as nursery:
+            for fn in fns:
+                nursery.start_soon(fn)
+    except BaseExceptionGroup as group:
+        refusal = _first_refusal(group)
+        if refusal is not None:
+            raise refusal from None
+        raise
+
+
+def _first_refusal(group: BaseExceptionGroup) -> ApiError | None:
+    for exc in group.exceptions:
+        if isinstance(exc, ApiError):
+            return exc
+        if isinstance(exc, BaseExceptionGroup):
+            found = _first_refusal(exc)
+            if found is not None:
+                return found
+    return None
 
 
 def context(request: Request) -> Context:

@@ -11,6 +11,7 @@ import logging
 import math
 import time
 from collections.abc import AsyncGenerator, Callable, Mapping
+from typing import Any
 
 import attrs
 import trio
@@ -104,6 +105,7 @@ class Generation:
         self._trim_ids = frozenset(() if job.no_stop_trim else job.request.sampling.stop_token_ids)
         self.started = time.monotonic() if arrived is None else arrived
         self.output_ids: list[int] = []
+        self.logprobs: list[Any] = []  # per output id when the sampling asks for them (else empty)
         self.prompt_tokens = len(job.request.input_ids)
         self.cached: dict[str, int] = dict.fromkeys(TIERS, 0)
         self.ttft_s: float | None = None
@@ -196,6 +198,9 @@ class Generation:
         if event.cached_tokens is not None:
             self._set_cached(event.cached_tokens)
         self.output_ids.extend(event.ids)
+        if self.job.request.sampling.logprobs:
+            lps = list(event.logprobs or ())
+            self.logprobs.extend(lps[: len(event.ids)] + [None] * (len(event.ids) - len(lps)))
         shown = event.ids[:-1] if event.ids and event.ids[-1] in self._trim_ids else event.ids
         delta = self._stops.feed(self._detok.push(shown))
         if self._stops.matched is not None:

@@ -73,13 +73,14 @@ class NodeBackend:
                 if frame["op"] == "tokens":
                     account = frame.get("account")
                     cached = {t: int(account.get(t, 0)) for t in TIERS} if isinstance(account, dict) else None
-                    sent += len(frame["tokens"])
-                    yield Tokens(list(frame["tokens"]), cached_tokens=cached)
+                    ids = list(frame["tokens"])
+                    sent += len(ids)
+                    yield Tokens(ids, cached_tokens=cached, logprobs=_logprobs(frame, 0, len(ids)))
                 elif frame["op"] == "result":
                     ended = True
                     rest = list(frame.get("tokens") or [])[sent:]  # made after the last frame went
                     if rest:
-                        yield Tokens(rest)
+                        yield Tokens(rest, logprobs=_logprobs(frame, sent, len(rest)))
                     yield _finished(frame, len(req.input_ids))
                     return
         except protocol.ProtocolError as exc:
@@ -138,6 +139,14 @@ def _finished(result: dict[str, Any], prompt_tokens: int) -> Finished:
         prefill_cached_tokens=_total(result.get("prefill_cached")),
         transferred_tokens=_count(account.get("transferred")),
     )
+
+
+def _logprobs(frame: dict[str, Any], start: int, n: int) -> list[Any] | None:
+    """A frame's log-probabilities of its tokens `start`.. (`n` of them), None if it has none."""
+    lps = frame.get("logprobs")
+    if not isinstance(lps, list) or len(lps) < start + n:
+        return None
+    return lps[start : start + n]
 
 
 def _total(value: object) -> int | None:

@@ -1,44 +1,45 @@
 """OpenAI's routes (/v1/models, /v1/completions, /v1/chat/completions) in OpenAI's exact
 shapes, so the `openai` package, AIPerf and other OpenAI-compatible clients work unchanged.
 Prefix-cache hits show as `usage.prompt_tokens_details.cached_tokens`, as OpenAI reports them.
+
+A request may ask for `n` choices, and /v1/completions for several prompts: each choice is a
+generation of its own, run side by side (`openai_shapes.py` answers for them together).
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import Callable
 from typing import Any
 
+import attrs
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
 from hicache.runtime.serving import known_keys, params
 from hicache.runtime.serving.backend import GenerateRequest
-from hicache.runtime.serving.context import Context, Stream, context, generation_route, gone
-from hicache.runtime.serving.errors import JSON, ApiError, bad_request, dumps, show, unavailable
-from hicache.runtime.serving.generation import Generation, Job, aclose_shielded
+from hicache.runtime.serving.context import Context, context, generation_route, gone
+from hicache.runtime.serving.errors import JSON, ApiError, bad_request, show
+from hicache.runtime.serving.generation import Job
+from hicache.runtime.serving.openai_shapes import Plan, Shapes, backend_failure
 from hicache.runtime.serving.params import Unsupported
-from hicache.runtime.serving.sse import DONE, EventStream, event
+from hicache.runtime.wire.sampling_fields import MAX_TOP_LOGPROBS, Sampling, seed_for
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat: all the room left
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
+MAX_N = 16  # choices per prompt
+MAX_CHOICES = 128  # choices per request: prompts times n
 _UNSUPPORTED = (
-    Unsupported("n", (None, 1)),
     Unsupported("best_of", (None, 1)),
-    Unsupported("logprobs", (None, False)),
-    Unsupported("top_logprobs", (None, 0)),
-    Unsupported("echo", (None, False)),
     Unsupported("suffix", (None,)),
-    Unsupported("frequency_penalty", (None, 0)),
-    Unsupported("presence_penalty", (None, 0)),
-    Unsupported("repetition_penalty", (None, 1)),
     Unsupported("min_tokens", (None, 0)),
-    Unsupported("logit_bias", (None, {})),
-    Unsupported("tools", (None, [])),
     Unsupported("response_format", (None, {"type": "text"})),
+    # Choosing a tool for the model needs constrained decoding; "auto" leaves it to the model.
+    Unsupported("tool_choice", (None, "auto", "none")),
 )
+_UNSUPPORTED_CHAT = (Unsupported("echo", (None, False)),)
+_UNSUPPORTED_COMPLETIONS = (Unsupported("top_logprobs", (None, 0)),)  # completions' is `logprobs`
 
 
 def check_model(ctx: Context, body: dict[str, Any]) -> None:
@@ -67,21 +68,31 @@ def include_usage(body: dict[str, Any], streaming: bool) -> bool:
     return False if usage is None else params.boolean(usage, "stream_options.include_usage")
 
 
-async def prompt_ids(ctx: Context, prompt: object) -> list[int]:
-    """/v1/completions' `prompt`: a string or token ids, or a list holding exactly one of them."""
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-        if len(prompt) != 1:
-            raise bad_request("batches are not supported: send one prompt per request", "prompt")
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        return await ctx.encode(params.text(prompt, "prompt"))
-    if isinstance(prompt, list):
-        return params.token_ids(prompt, "prompt", ctx.info.vocab_size, ctx.info.max_context_tokens)
-    raise bad_request(f"'prompt' must be a string or a list of token ids, not {show(prompt)}", "prompt")
+async def prompt_list(ctx: Context, prompt: object) -> list[tuple[list[int], str]]:
+    """/v1/completions' `prompt`: a string or token ids, or a list of either; each prompt's ids
+    and its text (what `echo` prepends)."""
+    many = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], str | list)
+    items = prompt if many else [prompt]
+    assert isinstance(items, list)
+    if len(items) > MAX_CHOICES:
+        raise bad_request(f"'prompt' holds {len(items)} prompts, more than {MAX_CHOICES}", "prompt")
+    out = []
+    for n, item in enumerate(items):
+        where = f"prompt[{n}]" if many else "prompt"
+        if isinstance(item, str):
+            out.append((await ctx.encode(params.text(item, where)), item))
+        elif isinstance(item, list):
+            ids = params.token_ids(item, where, ctx.info.vocab_size, ctx.info.max_context_tokens)
+            out.append((ids, ctx.codec.decode(ids)))
+        else:
+            raise bad_request(f"'{where}' must be a string or a list of token ids, not {show(item)}", where)
+    return out
 
 
-def chat_messages(raw: object) -> list[dict[str, str]]:
-    """`messages` with string contents (text parts joined), as a chat template takes them."""
+def chat_messages(raw: object, features: frozenset[str]) -> list[dict[str, Any]]:
+    """`messages` with string contents (text parts joined), as a chat template takes them; an
+    assistant's `tool_calls` and a tool message's `tool_call_id` and `name` pass through as
+    Hugging Face passes them, where the template renders tool calls (`features`), else a 400."""
     if not isinstance(raw, list) or not raw:
         raise bad_request("'messages' must be a non-empty list", "messages")
     out = []
@@ -94,8 +105,43 @@ def chat_messages(raw: object) -> list[dict[str, str]]:
             raise bad_request(
                 f"'{where}.role' must be one of {sorted(ROLES)}, not {show(role)}", where + ".role"
             )
-        out.append({"role": role, "content": _content(msg.get("content"), where + ".content")})
+        message: dict[str, Any] = {"role": role, "content": _content(msg.get("content"), where + ".content")}
+        calls = msg.get("tool_calls")
+        if calls is not None and calls != []:
+            if "tool_calls" not in features:
+                raise bad_request(
+                    f"'{where}.tool_calls' cannot be rendered: this model's chat template has no tool calls",
+                    where + ".tool_calls",
+                )
+            message["tool_calls"] = _tool_calls(calls, where + ".tool_calls")
+        for key in ("tool_call_id", "name"):
+            if msg.get(key) is not None:
+                message[key] = params.text(msg[key], f"{where}.{key}", allow_empty=True)
+        out.append(message)
     return out
+
+
+def _tool_calls(calls: object, where: str) -> list[dict[str, Any]]:
+    if not isinstance(calls, list):
+        raise bad_request(f"'{where}' must be a list of tool calls", where)
+    for n, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            expected = "an object with 'function': {'name', 'arguments'}"
+            raise bad_request(f"'{where}[{n}]' must be {expected}", where)
+    return calls
+
+
+def chat_tools(body: dict[str, Any], features: frozenset[str]) -> list[dict[str, Any]] | None:
+    """`tools` as the chat template takes them (None: none given); a 400 where it cannot."""
+    tools = body.get("tools")
+    if tools is None or tools == []:
+        return None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise bad_request("'tools' must be a list of objects", "tools")
+    if "tools" not in features:
+        raise bad_request("'tools' cannot be rendered: this model's chat template takes no tools", "tools")
+    return tools
 
 
 def _content(content: object, where: str) -> str:
@@ -113,17 +159,21 @@ def _content(content: object, where: str) -> str:
     return "".join(parts)
 
 
-async def parse(
-    ctx: Context, body: dict[str, Any], tenant: str | None, *, chat: bool
-) -> tuple[Job, bool, bool]:
-    """A request as a Job, whether it streams, and whether the stream ends with usage."""
+async def parse(ctx: Context, body: dict[str, Any], tenant: str | None, *, chat: bool) -> Plan:
+    """A request as the jobs of its choices, and how to answer for them."""
     check_model(ctx, body)
     known_keys.refuse_unknown(body, known_keys.CHAT if chat else known_keys.COMPLETIONS)
-    params.refuse_unsupported(body, _UNSUPPORTED + known_keys.OPENAI_NEUTRAL)
+    only = _UNSUPPORTED_CHAT if chat else _UNSUPPORTED_COMPLETIONS
+    params.refuse_unsupported(body, _UNSUPPORTED + known_keys.OPENAI_NEUTRAL + only)
+    n = 1 if body.get("n") is None else params.integer(body.get("n"), "n", 1, MAX_N)
     if chat:
-        input_ids = await ctx.chat_prompt(chat_messages(body.get("messages")))
+        features = ctx.chat_features()
+        messages = chat_messages(body.get("messages"), features)
+        prompts = [(await ctx.chat_prompt(messages, chat_tools(body, features)), "")]
     else:
-        input_ids = await prompt_ids(ctx, body.get("prompt"))
+        prompts = await prompt_list(ctx, body.get("prompt"))
+    if len(prompts) * n > MAX_CHOICES:
+        raise bad_request(f"{len(prompts)} prompts times n={n} is over {MAX_CHOICES} choices", "n")
     s = params.sampling(
         body,
         max_keys=("max_completion_tokens", "max_tokens") if chat else ("max_tokens",),
@@ -131,111 +181,77 @@ async def parse(
         vocab_size=ctx.info.vocab_size,
         max_context=ctx.info.max_context_tokens,
     )
-    default = None if chat else COMPLETIONS_DEFAULT_MAX_TOKENS
-    param = "messages" if chat else "prompt"
-    max_new = params.settle_max_new_tokens(
-        len(input_ids), s.max_new_tokens, default, ctx.info.max_context_tokens, param
-    )
+    spec, logprobs = _logprobs(body, s.spec, chat)
+    echo = not chat and body.get("echo") is not None and params.boolean(body.get("echo"), "echo")
+    if echo and logprobs:
+        raise bad_request(
+            "'echo' with 'logprobs' is not supported: the prompt tokens' log-probabilities are not "
+            "computed (prefill reuses cached KV and keeps only the last position's logits)",
+            "echo",
+        )
     streaming = False if body.get("stream") is None else params.boolean(body.get("stream"), "stream")
     usage = include_usage(body, streaming)
     # OpenAI's `user` names the end user: the conversation a session-affinity router keeps together.
     session = "" if body.get("user") is None else params.text(body.get("user"), "user", allow_empty=True)
-    req = GenerateRequest(ctx.new_rid(), input_ids, max_new, s.spec, tenant, session)
     keep = False if body.get("no_stop_trim") is None else params.boolean(body["no_stop_trim"], "no_stop_trim")
-    return Job("chat" if chat else "completions", req, s.stop, no_stop_trim=keep), streaming, usage
+    jobs, echoes, counts = [], [], []
+    for input_ids, text in prompts:
+        max_new = params.settle_max_new_tokens(
+            len(input_ids),
+            s.max_new_tokens,
+            None if chat else COMPLETIONS_DEFAULT_MAX_TOKENS,
+            ctx.info.max_context_tokens,
+            "messages" if chat else "prompt",
+        )
+        for j in range(n):
+            # Choices of one prompt must differ: a client's seed gives the first, and seeds
+            # derived from it the others (None: each from its own request id, at the node).
+            seed = spec.seed if j == 0 or spec.seed is None else seed_for(f"{spec.seed}:{j}")
+            req = GenerateRequest(
+                ctx.new_rid(), input_ids, max_new, attrs.evolve(spec, seed=seed), tenant, session
+            )
+            jobs.append(Job("chat" if chat else "completions", req, s.stop, no_stop_trim=keep))
+            echoes.append(text if echo else "")
+            counts.append(j == 0)
+    return Plan(chat, jobs, echoes, counts, streaming, usage, logprobs)
 
 
-def finish_reason(gen: Generation) -> str | None:
-    return None if gen.finish is None else gen.finish.reason
-
-
-def backend_failure(gen: Generation) -> ApiError:
-    assert gen.finish is not None
-    return unavailable(gen.finish.message or "the backend gave up on the request", code=gen.finish.reason)
-
-
-class Shapes:
-    """OpenAI's objects for one request: the whole answer, its stream chunks and usage."""
-
-    def __init__(self, ctx: Context, gen: Generation, *, chat: bool, usage: bool) -> None:
-        self.gen = gen
-        self.chat = chat
-        self.usage = usage
-        self.id = ("chatcmpl-" if chat else "cmpl-") + gen.rid
-        self.created = int(time.time())
-        self.model = ctx.model_name
-
-    def _head(self, obj: str) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
-
-    def whole(self) -> dict[str, Any]:
-        gen = self.gen
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": gen.text}}
-        else:
-            choice = {"index": 0, "text": gen.text}
-        choice |= {"logprobs": None, "finish_reason": finish_reason(gen)}
-        return self._head("chat.completion" if self.chat else "text_completion") | {
-            "choices": [choice],
-            "usage": gen.usage(),
-        }
-
-    def chunk(self, piece: str | None, finish: str | None = None, *, role: bool = False) -> dict[str, Any]:
-        if self.chat:
-            delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
-            if piece:
-                delta["content"] = piece
-            choice: dict[str, Any] = {"index": 0, "delta": delta}
-        else:
-            choice = {"index": 0, "text": piece or ""}
-        choice |= {"logprobs": None, "finish_reason": finish}
-        out = self._head("chat.completion.chunk" if self.chat else "text_completion") | {"choices": [choice]}
-        if self.usage:
-            out["usage"] = None
-        return out
-
-    def usage_chunk(self) -> dict[str, Any]:
-        head = self._head("chat.completion.chunk" if self.chat else "text_completion")
-        return head | {"choices": [], "usage": self.gen.usage()}
-
-
-async def sse_body(shapes: Shapes, stream: Stream) -> AsyncGenerator[bytes, None]:
-    gen = shapes.gen
-    pieces = stream.pieces()
-    try:
-        if shapes.chat:
-            yield event(shapes.chunk(None, role=True))
-        async for piece in pieces:
-            if piece:
-                yield event(shapes.chunk(piece))
-        if gen.failed:
-            # OpenAI's clients raise on an `error` object in a stream.
-            yield b"data: " + dumps(backend_failure(gen).body()).encode("ascii") + b"\n\n"
-        else:
-            yield event(shapes.chunk(None, finish_reason(gen)))
-            if shapes.usage:
-                yield event(shapes.usage_chunk())
-        yield DONE
-    finally:
-        await aclose_shielded(pieces)
+def _logprobs(body: dict[str, Any], spec: Sampling, chat: bool) -> tuple[Sampling, bool]:
+    """Chat's `logprobs` (true/false) and `top_logprobs`, or completions' `logprobs` (how many
+    alternatives: 0 gives the chosen token's alone), into `spec`."""
+    if chat:
+        asked = body.get("logprobs") is not None and params.boolean(body.get("logprobs"), "logprobs")
+        top = body.get("top_logprobs")
+        top = 0 if top is None else params.integer(top, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+        if top and not asked:
+            raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        names = {"logprobs": "logprobs", "top_logprobs": "top_logprobs"}
+    else:
+        raw = body.get("logprobs")
+        asked = raw is not None
+        top = 0 if raw is None else params.integer(raw, "logprobs", 0, MAX_TOP_LOGPROBS)
+        names = {"logprobs": "logprobs", "top_logprobs": "logprobs"}
+    if not asked:
+        return spec, False
+    return params.with_logprobs(spec, True, top, names), True
 
 
 def endpoint(chat: bool) -> Callable[[Request], Any]:
     async def handle(request: Request) -> Response:
         ctx = context(request)
         principal = ctx.auth.principal(request)
-        job, streaming, usage = await parse(
-            ctx, await params.read_json(request, ctx.max_body_bytes), principal.tenant, chat=chat
-        )
-        gen = ctx.generation(request, job)
-        shapes = Shapes(ctx, gen, chat=chat, usage=usage)
-        if streaming:
-            stream = await ctx.start_stream(request, gen)
-            return gone() if stream is None else EventStream(sse_body(shapes, stream))
-        if not await ctx.run_to_end(request, gen):
+        body = await params.read_json(request, ctx.max_body_bytes)
+        plan = await parse(ctx, body, principal.tenant, chat=chat)
+        gens = [ctx.generation(request, job) for job in plan.jobs]
+        shapes = Shapes(ctx, plan, gens)
+        if plan.streaming:
+            streams = await ctx.start_streams(request, gens)
+            return gone() if streams is None else shapes.event_stream(streams)
+        if not await ctx.run_all_to_end(request, gens):
             return gone()
-        if gen.failed:
-            raise backend_failure(gen)
+        failed = next((gen for gen in gens if gen.failed), None)
+        if failed is not None:
+            raise backend_failure(failed)
         return JSON(shapes.whole())
 
     return generation_route("chat" if chat else "completions")(handle)

@@ -158,6 +158,31 @@ def refuse_unsupported(obj: Mapping[str, Any], fields: tuple[Unsupported, ...], 
             )
 
 
+# The sampling fields both APIs take under these very names (the rest: `sampling`'s callers).
+SHARED_KEYS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "stop_token_ids",
+    "ignore_eos",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+)
+
+
+def with_logprobs(spec: Sampling, logprobs: bool, top: int, names: Mapping[str, str]) -> Sampling:
+    """`spec` asking for log-probabilities (`top` alternatives per token); a value outside the
+    node's limits is a 400 naming the client's key (`names` maps ours to it)."""
+    try:
+        return attrs.evolve(spec, logprobs=logprobs, top_logprobs=top)
+    except SamplingError as exc:
+        param = names.get(exc.field, exc.field)
+        raise bad_request(f"'{param}' must be {exc.expected}, not {show(exc.value)}", param) from None
+
+
 @attrs.frozen
 class Asked:
     """Sampling as a request states it, before the prompt's length settles max_new_tokens."""
@@ -184,7 +209,7 @@ def sampling(
         if obj.get(key) is not None:
             max_new = integer(obj.get(key), where + key, 1, max_context)
             break
-    keys = {name: name for name in ("temperature", "top_p", "top_k", "stop_token_ids", "ignore_eos")}
+    keys = {name: name for name in SHARED_KEYS}
     keys["seed"] = next((k for k in seed_keys if obj.get(k) is not None), seed_keys[0])
     fields = {name: obj.get(key) for name, key in keys.items()}
     if fields["temperature"] is None:

@@ -12,29 +12,27 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
-from hicache.runtime.serving import known_keys, params
+from hicache.runtime.serving import known_keys, logprob_shapes, params
 from hicache.runtime.serving.backend import TIERS, GenerateRequest, Sampling, Tokens
 from hicache.runtime.serving.context import Context, Stream, context, generation_route, gone
 from hicache.runtime.serving.errors import JSON, bad_request, show, unavailable
 from hicache.runtime.serving.generation import Generation, Job, aclose_shielded
+from hicache.runtime.serving.logprob_shapes import TokenTexts
 from hicache.runtime.serving.metrics import CACHE_SOURCES
 from hicache.runtime.serving.params import Unsupported
 from hicache.runtime.serving.sse import DONE, EventStream, event
+from hicache.runtime.wire.sampling_fields import MAX_TOP_LOGPROBS
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
 HEALTH_TIMEOUT_S = 30.0
 
 _UNSUPPORTED_TOP = (
-    Unsupported("return_logprob", (None, False)),
     Unsupported("lora_path", (None, "")),
     Unsupported("image_data", (None,)),
 )
 _UNSUPPORTED_SAMPLING = (
     Unsupported("n", (None, 1)),
     Unsupported("min_new_tokens", (None, 0)),
-    Unsupported("frequency_penalty", (None, 0)),
-    Unsupported("presence_penalty", (None, 0)),
-    Unsupported("repetition_penalty", (None, 1)),
     Unsupported("regex", (None,)),
     Unsupported("json_schema", (None,)),
     Unsupported("ebnf", (None,)),
@@ -83,12 +81,19 @@ async def parse_generate(
             input_ids = params.token_ids(
                 prompt, "input_ids" + where, ctx.info.vocab_size, ctx.info.max_context_tokens
             )
-        jobs.append(_job(ctx, input_ids, {} if raw is None else raw, rid, tenant, session, where))
+        jobs.append(_job(ctx, body, input_ids, {} if raw is None else raw, rid, tenant, session, where))
     return jobs, batch, stream
 
 
 def _job(
-    ctx: Context, input_ids: list[int], raw: object, rid: object, tenant: str | None, session: str, where: str
+    ctx: Context,
+    body: dict[str, Any],
+    input_ids: list[int],
+    raw: object,
+    rid: object,
+    tenant: str | None,
+    session: str,
+    where: str,
 ) -> Job:
     param = "sampling_params" + where
     if not isinstance(raw, dict):
@@ -108,8 +113,36 @@ def _job(
     max_new = params.settle_max_new_tokens(
         len(input_ids), s.max_new_tokens, DEFAULT_MAX_NEW_TOKENS, ctx.info.max_context_tokens, "text" + where
     )
-    req = GenerateRequest(ctx.new_rid(), input_ids, max_new, s.spec, tenant, session)
+    spec = logprob_spec(body, s.spec, len(input_ids))
+    req = GenerateRequest(ctx.new_rid(), input_ids, max_new, spec, tenant, session)
     return Job("generate", req, s.stop, params.request_id(rid, "rid" + where), no_stop_trim=keep)
+
+
+def logprob_spec(body: dict[str, Any], spec: Sampling, prompt_len: int) -> Sampling:
+    """SGLang's `return_logprob`, `top_logprobs_num`, `logprob_start_len` and
+    `return_text_in_logprobs`, checked, into `spec`. The prompt tokens' log-probabilities are not
+    computed (prefill reuses cached KV and keeps only the last position's logits), so a
+    `logprob_start_len` inside the prompt is refused by name; -1 (SGLang's default) and any
+    start at or past the prompt's end give output tokens' log-probabilities only."""
+    asked = body.get("return_logprob") is not None and params.boolean(
+        body["return_logprob"], "return_logprob"
+    )
+    raw_top = body.get("top_logprobs_num")
+    top = 0 if raw_top is None else params.integer(raw_top, "top_logprobs_num", 0, MAX_TOP_LOGPROBS)
+    raw_start = body.get("logprob_start_len")
+    start = -1 if raw_start is None else params.integer(raw_start, "logprob_start_len", -1, 2**31)
+    if body.get("return_text_in_logprobs") is not None:
+        params.boolean(body["return_text_in_logprobs"], "return_text_in_logprobs")
+    if not asked:
+        return spec
+    if 0 <= start < prompt_len:
+        raise bad_request(
+            f"'logprob_start_len' = {start} asks for prompt tokens' log-probabilities, which are not "
+            f"computed here; use -1 or at least the prompt's length ({prompt_len})",
+            "logprob_start_len",
+        )
+    names = {"logprobs": "return_logprob", "top_logprobs": "top_logprobs_num"}
+    return params.with_logprobs(spec, True, top, names)
 
 
 def session_id(body: dict[str, Any]) -> str:
@@ -154,20 +187,41 @@ def meta_info(gen: Generation) -> dict[str, Any]:
     }
 
 
-def snapshot(gen: Generation) -> dict[str, Any]:
-    return {"text": gen.text, "output_ids": list(gen.output_ids), "meta_info": meta_info(gen)}
+def logprob_info(gen: Generation, texts: TokenTexts, with_text: bool) -> dict[str, Any]:
+    """SGLang's log-probability fields of `meta_info` (none unless `return_logprob`)."""
+    spec = gen.job.request.sampling
+    if not spec.logprobs:
+        return {}
+    chosen, top = logprob_shapes.sglang(texts, gen.output_ids, gen.logprobs, with_text)
+    out: dict[str, Any] = {
+        "input_token_logprobs": [],  # not computed: see `logprob_spec`
+        "output_token_logprobs": chosen,
+    }
+    if spec.top_logprobs:
+        out["input_top_logprobs"] = []
+        out["output_top_logprobs"] = top
+    return out
 
 
-async def sse_body(gen: Generation, stream: Stream) -> AsyncGenerator[bytes, None]:
+def snapshot(gen: Generation, texts: TokenTexts | None = None, with_text: bool = False) -> dict[str, Any]:
+    meta = meta_info(gen)
+    if texts is not None:
+        meta |= logprob_info(gen, texts, with_text)
+    return {"text": gen.text, "output_ids": list(gen.output_ids), "meta_info": meta}
+
+
+async def sse_body(
+    gen: Generation, stream: Stream, texts: TokenTexts, with_text: bool
+) -> AsyncGenerator[bytes, None]:
     pieces = stream.pieces()
     try:
         said_finish = False  # the last line carries finish_reason, once
         async for _ in pieces:
-            line = snapshot(gen)
+            line = snapshot(gen, texts, with_text)
             said_finish = line["meta_info"]["finish_reason"] is not None
             yield event(line)
         if not said_finish:
-            yield event(snapshot(gen))
+            yield event(snapshot(gen, texts, with_text))
         yield DONE
     finally:
         await aclose_shielded(pieces)
@@ -177,9 +231,10 @@ async def sse_body(gen: Generation, stream: Stream) -> AsyncGenerator[bytes, Non
 async def generate(request: Request) -> Response:
     ctx = context(request)
     principal = ctx.auth.principal(request)
-    jobs, batch, streaming = await parse_generate(
-        ctx, await params.read_json(request, ctx.max_body_bytes), principal.tenant
-    )
+    body = await params.read_json(request, ctx.max_body_bytes)
+    jobs, batch, streaming = await parse_generate(ctx, body, principal.tenant)
+    with_text = body.get("return_text_in_logprobs") is True
+    texts = TokenTexts(ctx.codec)
     if batch:
         gens = [ctx.generation(request, job) for job in jobs]
         if not await ctx.run_all_to_end(request, gens):
@@ -189,17 +244,17 @@ async def generate(request: Request) -> Response:
                 assert gen.finish is not None
                 message = gen.finish.message or "the backend gave up on the request"
                 raise unavailable(message, code=gen.finish.reason)
-        return JSON([snapshot(gen) for gen in gens])
+        return JSON([snapshot(gen, texts, with_text) for gen in gens])
     gen = ctx.generation(request, jobs[0])
     if streaming:
         stream = await ctx.start_stream(request, gen)
-        return gone() if stream is None else EventStream(sse_body(gen, stream))
+        return gone() if stream is None else EventStream(sse_body(gen, stream, texts, with_text))
     if not await ctx.run_to_end(request, gen):
         return gone()
     if gen.failed:
         assert gen.finish is not None
         raise unavailable(gen.finish.message or "the backend gave up on the request", code=gen.finish.reason)
-    return JSON(snapshot(gen))
+    return JSON(snapshot(gen, texts, with_text))
 
 
 async def flush_cache(request: Request) -> Response:

@@ -9,7 +9,7 @@ happen before a response exists (a non-streaming answer, the first token) watch 
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import trio
@@ -31,17 +31,36 @@ def event(obj: Any) -> bytes:
 
 
 class EventStream(StreamingResponse):
-    """text/event-stream whose body generator is closed however the response ends."""
+    """text/event-stream whose body generator is closed however the response ends.
+
+    `tasks` run beside the body while it streams (what feeds it, such as one producer per
+    choice of a request): a body generator must not open a nursery of its own, since it yields.
+    They are cancelled when the response ends, however it ends."""
 
     media_type = "text/event-stream"
 
-    def __init__(self, body: AsyncGenerator[bytes, None]) -> None:
+    def __init__(
+        self, body: AsyncGenerator[bytes, None], tasks: Sequence[Callable[[], Awaitable[None]]] = ()
+    ) -> None:
         super().__init__(body, headers=HEADERS)
         self._body = body
+        self._tasks = tuple(tasks)
 
     async def stream_response(self, send: Send) -> None:
         try:
-            await super().stream_response(send)
+            if not self._tasks:
+                await super().stream_response(send)
+                return
+            try:
+                async with trio.open_nursery() as nursery:
+                    for task in self._tasks:
+                        nursery.start_soon(task)
+                    await super().stream_response(send)
+                    nursery.cancel_scope.cancel()
+            except BaseExceptionGroup as group:  # the response's own error, as it would come alone
+                if len(group.exceptions) == 1:
+                    raise group.exceptions[0] from None
+                raise
         finally:
             await aclose_shielded(self._body)
 

@@ -8,8 +8,12 @@ would refuse never gets past the front door.
 
 A client asks for greedy decoding (`temperature` 0, the default here), or for sampling with
 `temperature`, `top_p`, `top_k`, `min_p` and a `seed`; `stop_token_ids` end the request early,
-and `ignore_eos` keeps the model's own end-of-sequence tokens from doing so. No torch here: the
-front door imports this module and runs without it.
+and `ignore_eos` keeps the model's own end-of-sequence tokens from doing so. The logits are
+adjusted first by `repetition_penalty` (SGLang's and Hugging Face's: over prompt and output),
+`frequency_penalty` and `presence_penalty` (OpenAI's: over the output) and `logit_bias`.
+`logprobs` asks for each chosen token's log-probability and `top_logprobs` for that many of
+the most likely alternatives. No torch here: the front door imports this module and runs
+without it.
 """
 
 from __future__ import annotations
@@ -27,6 +31,11 @@ MAX_TEMPERATURE = 100.0  # far past where every token is equally likely
 MAX_TOP_K = 2**31 - 1
 MAX_STOP_TOKEN_IDS = 256
 SEED_RANGE = (-(2**63), 2**64 - 1)  # a 64-bit integer, signed or unsigned (JSON clients send both)
+PENALTY_RANGE = (-2.0, 2.0)  # OpenAI's (and SGLang's) for frequency_penalty and presence_penalty
+MAX_REPETITION_PENALTY = 2.0  # SGLang's; 1 is off, below 1 favours repeats
+MAX_LOGIT_BIAS = 100.0  # OpenAI's: -100 bans a token, 100 all but forces it
+MAX_LOGIT_BIAS_TOKENS = 1024
+MAX_TOP_LOGPROBS = 20  # OpenAI's chat limit
 
 
 class SamplingError(ValueError):
@@ -65,6 +74,25 @@ def _as_tuple(value: object) -> object:
     return tuple(value) if isinstance(value, list | tuple) else value
 
 
+def _as_bias(value: object) -> object:
+    """`logit_bias` as sorted (token id, bias) pairs: OpenAI's object of id strings, or the
+    pairs the wire carries; anything else as it came, for the check to refuse by name."""
+    if isinstance(value, Mapping):
+        pairs = []
+        for key, bias in value.items():
+            token: object = key
+            if isinstance(key, str) and key.strip().lstrip("-").isdigit():
+                token = int(key)
+            pairs.append((token, _as_float(bias)))
+        value = pairs
+    if isinstance(value, list | tuple) and all(isinstance(p, list | tuple) and len(p) == 2 for p in value):
+        pairs = [(_as_int(t), _as_float(b)) for t, b in value]
+        if all(_is_int(t) for t, _ in pairs):
+            return tuple(sorted(pairs))
+        return tuple(pairs)
+    return value
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -84,6 +112,22 @@ class Sampling:
     seed: int | None = attrs.field(default=None, converter=_as_int)
     stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_as_tuple)
     ignore_eos: bool = False
+    presence_penalty: float = attrs.field(default=0.0, converter=_as_float)
+    frequency_penalty: float = attrs.field(default=0.0, converter=_as_float)
+    repetition_penalty: float = attrs.field(default=1.0, converter=_as_float)
+    logit_bias: tuple[tuple[int, float], ...] = attrs.field(default=(), converter=_as_bias)
+    logprobs: bool = False
+    top_logprobs: int = attrs.field(default=0, converter=_as_int)
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the logits are adjusted before the draw (a penalty or a bias is set)."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+        )
 
     def __attrs_post_init__(self) -> None:
         self.check()
@@ -113,7 +157,42 @@ class Sampling:
             raise SamplingError("stop_token_ids", f"a list of at most {MAX_STOP_TOKEN_IDS} {ids}", stops)
         if not isinstance(self.ignore_eos, bool):
             raise SamplingError("ignore_eos", "true or false", self.ignore_eos)
+        lo, hi = PENALTY_RANGE
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if type(value) is not float or not lo <= value <= hi:
+                raise SamplingError(name, f"a number in [{lo:g}, {hi:g}] (0: off)", value)
+        r = self.repetition_penalty
+        if type(r) is not float or not 0.0 < r <= MAX_REPETITION_PENALTY:
+            expected = f"a number in (0, {MAX_REPETITION_PENALTY:g}] (1: off)"
+            raise SamplingError("repetition_penalty", expected, r)
+        self._check_bias(top)
+        if not isinstance(self.logprobs, bool):
+            raise SamplingError("logprobs", "true or false", self.logprobs)
+        n = self.top_logprobs
+        if not _is_int(n) or not 0 <= n <= MAX_TOP_LOGPROBS:
+            raise SamplingError("top_logprobs", f"an integer in 0..{MAX_TOP_LOGPROBS}", n)
+        if n and not self.logprobs:
+            raise SamplingError("top_logprobs", "0 unless logprobs is true", n)
         return self
+
+    def _check_bias(self, top: float) -> None:
+        bias = self.logit_bias
+        ids = "token ids" if math.isinf(top) else f"token ids in [0, {int(top)})"
+        expected = (
+            f"an object of at most {MAX_LOGIT_BIAS_TOKENS} {ids} to numbers in "
+            f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]"
+        )
+        if (
+            not isinstance(bias, tuple)
+            or len(bias) > MAX_LOGIT_BIAS_TOKENS
+            or not all(
+                _is_int(t) and 0 <= t < top and type(b) is float and -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS
+                for t, b in bias
+            )
+            or len({t for t, _ in bias}) != len(bias)
+        ):
+            raise SamplingError("logit_bias", expected, bias)
 
     @classmethod
     def parse(cls, fields: Mapping[str, Any], vocab: int) -> Sampling:
@@ -125,6 +204,7 @@ class Sampling:
         """The `sampling` field of a node message (JSON)."""
         wire = attrs.asdict(self)
         wire["stop_token_ids"] = list(self.stop_token_ids)
+        wire["logit_bias"] = [list(pair) for pair in self.logit_bias]
         return wire
 
     @classmethod
