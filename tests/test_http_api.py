@@ -413,7 +413,7 @@ BAD: list[tuple[str, bytes | dict[str, Any], int, str]] = [
     ("/generate", {"text": "hi", "max_new_tokens": 4}, 400, "'max_new_tokens' is not a field"),
     ("/generate", {"text": "hi", "sampling_params": {"no_stop_trim": 1}}, 400, "true or false"),
     ("/generate", {"text": "hi", "sampling_params": {"skip_special_tokens": False}}, 400, "not supported"),
-    ("/generate", {"text": "hi", "logprob_start_len": 3}, 400, "'logprob_start_len' = 3 is not supported"),
+    ("/generate", {"text": "hi", "data_parallel_rank": 1}, 400, "'data_parallel_rank' = 1 is not supported"),
     ("/generate", {"text": "hi", "priority": 1}, 400, "'priority' = 1 is not supported"),
     ("/v1/completions", {"prompt": "hi", "max_new_tokens": 4}, 400, "'max_new_tokens' is not a field"),
     (
@@ -457,7 +457,7 @@ BAD: list[tuple[str, bytes | dict[str, Any], int, str]] = [
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "'max_tokens'"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "logprobs": 21}, 400, "'logprobs'"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "logprobs": 1, "echo": True}, 400, "'echo' with"),
-    ("/v1/completions", {"model": MODEL, "prompt": "hi", "top_logprobs": 2}, 400, "not supported"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "top_logprobs": 2}, 400, "'top_logprobs' is not"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"999": 1}}, 400, "'logit_bias'"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "presence_penalty": 3}, 400, "'presence_penalty'"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),

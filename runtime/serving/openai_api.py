@@ -38,8 +38,6 @@ _UNSUPPORTED = (
     # Choosing a tool for the model needs constrained decoding; "auto" leaves it to the model.
     Unsupported("tool_choice", (None, "auto", "none")),
 )
-_UNSUPPORTED_CHAT = (Unsupported("echo", (None, False)),)
-_UNSUPPORTED_COMPLETIONS = (Unsupported("top_logprobs", (None, 0)),)  # completions' is `logprobs`
 
 
 def check_model(ctx: Context, body: dict[str, Any]) -> None:
@@ -163,8 +161,8 @@ async def parse(ctx: Context, body: dict[str, Any], tenant: str | None, *, chat:
     """A request as the jobs of its choices, and how to answer for them."""
     check_model(ctx, body)
     known_keys.refuse_unknown(body, known_keys.CHAT if chat else known_keys.COMPLETIONS)
-    only = _UNSUPPORTED_CHAT if chat else _UNSUPPORTED_COMPLETIONS
-    params.refuse_unsupported(body, _UNSUPPORTED + known_keys.OPENAI_NEUTRAL + only)
+    # Chat's `echo` and completions' `top_logprobs` (its own is `logprobs`) are unknown keys there.
+    params.refuse_unsupported(body, _UNSUPPORTED + known_keys.OPENAI_NEUTRAL)
     n = 1 if body.get("n") is None else params.integer(body.get("n"), "n", 1, MAX_N)
     if chat:
         features = ctx.chat_features()
