@@ -10,6 +10,7 @@ import trio
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -19,9 +20,11 @@ from hicache.runtime.serving.admission import Admission
 from hicache.runtime.serving.auth import Auth, KeyLookup, PrincipalLike
 from hicache.runtime.serving.backend import Backend, TextCodec
 from hicache.runtime.serving.context import Context, context
+from hicache.runtime.serving.door import Door, DoorLimits, DoorMiddleware
 from hicache.runtime.serving.errors import JSON, ApiError, error_response
 from hicache.runtime.serving.health import Health
 from hicache.runtime.serving.metrics import Metrics
+from hicache.runtime.serving.token_rate import TokenRate
 from hicache.runtime.serving.trace_recorder import RecordingError, TraceRecorder
 
 log = logging.getLogger("hicache.runtime.serving")
@@ -95,6 +98,9 @@ def create_app(
     admission: Admission | None = None,
     health: Health | None = None,
     shared_open_cache: bool = False,
+    limits: DoorLimits | None = None,
+    stream_stall_timeout_s: float | None = None,
+    rate: TokenRate | None = None,
 ) -> Starlette:
     """An ASGI app for `backend`; `codec` tokenizes prompts and detokenizes output.
 
@@ -106,7 +112,13 @@ def create_app(
     unless `shared_open_cache` (auth.py). `admission`: the bounded queue requests wait
     in before they reach the backend (admission.py; None: none); `health`: what the front door
     knows of the nodes behind it, which /health and /health_generate answer by (health.py).
+    `limits`: what a client may hold at the door (door.py; `max_body_bytes` when not given);
+    `stream_stall_timeout_s`: a stream whose client reads nothing for that long is aborted
+    (sse.py; None: never); `rate`: each caller's tokens per minute (token_rate.py; None: no limit).
     """
+    limits = DoorLimits(max_body_bytes=max_body_bytes) if limits is None else limits
+    auth = Auth(api_keys, shared_open_cache=shared_open_cache)
+    door = Door(limits)
     app = Starlette(
         routes=[
             *sglang_api.ROUTES,
@@ -116,6 +128,7 @@ def create_app(
             Route("/stop_trace_recording", stop_trace_recording, methods=["POST"]),
         ],
         exception_handlers={ApiError: _api_error, HTTPException: _http_error},
+        middleware=[Middleware(DoorMiddleware, door=door, auth=auth)],
     )
     ctx_metrics = Metrics()
     if admission is not None:
@@ -125,12 +138,15 @@ def create_app(
         codec=codec,
         model_name=model_name,
         info=backend.model_info(),
-        auth=Auth(api_keys, shared_open_cache=shared_open_cache),
+        auth=auth,
         metrics=ctx_metrics,
-        max_body_bytes=max_body_bytes,
+        max_body_bytes=limits.max_body_bytes,
         started_at=time.time(),
         recorder=recorder if recorder is not None else TraceRecorder(model_name),
         admission=admission,
         health=health if health is not None else Health(),
+        door=door,
+        stream_stall_timeout_s=stream_stall_timeout_s,
+        rate=rate,
     )
     return app

@@ -19,7 +19,7 @@ from hicache.runtime.serving.context import Context, Stream, context, generation
 from hicache.runtime.serving.errors import JSON, ApiError, bad_request, dumps, show, unavailable
 from hicache.runtime.serving.generation import Generation, Job, aclose_shielded
 from hicache.runtime.serving.params import Unsupported
-from hicache.runtime.serving.sse import DONE, EventStream, event
+from hicache.runtime.serving.sse import DONE, event
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat: all the room left
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
@@ -72,7 +72,7 @@ async def prompt_ids(ctx: Context, prompt: object) -> list[int]:
             raise bad_request("batches are not supported: send one prompt per request", "prompt")
         prompt = prompt[0]
     if isinstance(prompt, str):
-        return await ctx.encode(params.text(prompt, "prompt"))
+        return await ctx.encode(params.text(prompt, "prompt"), "prompt")
     if isinstance(prompt, list):
         return params.token_ids(prompt, "prompt", ctx.info.vocab_size, ctx.info.max_context_tokens)
     raise bad_request(f"'prompt' must be a string or a list of token ids, not {show(prompt)}", "prompt")
@@ -227,7 +227,7 @@ def endpoint(chat: bool) -> Callable[[Request], Any]:
         shapes = Shapes(ctx, gen, chat=chat, usage=usage)
         if streaming:
             stream = await ctx.start_stream(request, gen)
-            return gone() if stream is None else EventStream(sse_body(shapes, stream))
+            return gone() if stream is None else ctx.event_stream(gen, sse_body(shapes, stream))
         if not await ctx.run_to_end(request, gen):
             return gone()
         if gen.failed:

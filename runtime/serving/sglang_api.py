@@ -18,7 +18,7 @@ from hicache.runtime.serving.context import Context, Stream, context, generation
 from hicache.runtime.serving.errors import JSON, bad_request, show, unavailable
 from hicache.runtime.serving.generation import Generation, Job, aclose_shielded
 from hicache.runtime.serving.params import Unsupported
-from hicache.runtime.serving.sse import DONE, EventStream, event
+from hicache.runtime.serving.sse import DONE, event
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
 HEALTH_TIMEOUT_S = 30.0
@@ -141,7 +141,7 @@ async def generate(request: Request) -> Response:
     gen = ctx.generation(request, job)
     if streaming:
         stream = await ctx.start_stream(request, gen)
-        return gone() if stream is None else EventStream(sse_body(gen, stream))
+        return gone() if stream is None else ctx.event_stream(gen, sse_body(gen, stream))
     if not await ctx.run_to_end(request, gen):
         return gone()
     if gen.failed:
