@@ -87,7 +87,7 @@ class ServeOptions:
     max_connections: int = 1024  # requests open at the front door at once (door.py)
     max_body_bytes_in_flight: int = 64 << 20  # bytes of request bodies held at once
     body_timeout_s: float = 30.0  # a body must arrive whole within this of its headers
-    max_requests_per_tenant: int | None = None  # None: as many as the decode nodes run at once
+    max_requests_per_tenant: int | None = None  # None: as many as run at once + half the queue
     max_tokens_per_minute_per_tenant: int | None = None  # None: no token rate limit
     stream_stall_timeout_s: float | None = 30.0  # a stream its client does not read is aborted
     node_restarts: int = 3  # restarts of one node within `restart_window_s`; 0: a death ends serve
@@ -265,7 +265,8 @@ async def serve(
             admission = Admission(
                 running, queued, max_tokens=pool, reserve_tokens=reserve, queue_timeout_s=opts.queue_timeout_s
             )
-            per_tenant = running if opts.max_requests_per_tenant is None else opts.max_requests_per_tenant
+            # One caller may fill the running slots but only half the queue: the rest stays for others.
+            per_tenant = opts.max_requests_per_tenant or running + max(1, queued // 2)
             limits = DoorLimits(
                 body_timeout_s=opts.body_timeout_s,
                 body_bytes_in_flight=opts.max_body_bytes_in_flight,

@@ -496,8 +496,8 @@ SERVE = Command(
                     metavar="N",
                     help="requests one caller (an API key's tenant; without keys, its bearer token or "
                     "address) may have open at once; the next gets 429 with Retry-After before its body "
-                    "is read (default: as many as the decode nodes run at once, so one caller never "
-                    "fills the queue too)",
+                    "is read (default: as many as the decode nodes run at once plus half the queue, so "
+                    "one caller never fills the queue)",
                 ),
                 arg(
                     "--max-tokens-per-minute-per-tenant",

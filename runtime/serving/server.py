@@ -9,12 +9,36 @@ from collections.abc import Awaitable, Callable
 import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve
+from hypercorn.trio.tcp_server import TCPServer
 from starlette.applications import Starlette
 
 
 def _port(bind: str) -> int:
     """The port of a bind Hypercorn reports ("http://127.0.0.1:8000", "http://[::1]:8000")."""
     return int(bind.rsplit(":", 1)[1])
+
+
+log = logging.getLogger("hicache.runtime.serving")
+
+
+def _one_connection_at_most() -> None:
+    """Hypercorn (0.18) runs every connection in the server's own nursery and lets only an
+    OSError out of one quietly: anything else a connection meets ends the whole server. A
+    client can cause one: closing its half mid-body while the app answers makes Hypercorn send
+    its 400 while it shuts the socket's write side (trio's BusyResourceError). Such an error
+    ends that connection only, logged."""
+    if getattr(TCPServer.run, "_one_connection", False):
+        return
+    run = TCPServer.run
+
+    async def guarded(self: TCPServer) -> None:
+        try:
+            await run(self)
+        except Exception as exc:
+            log.warning("a connection ended on an error in the HTTP server: %s: %s", type(exc).__name__, exc)
+
+    guarded._one_connection = True  # type: ignore[attr-defined]
+    TCPServer.run = guarded  # type: ignore[method-assign]
 
 
 def listening_socket(host: str, port: int, unread_timeout_s: float | None) -> socket.socket:
@@ -53,6 +77,7 @@ async def serve_http(
     generations in flight end as aborts that their responses report (`shutdown.py`), and
     requests in flight get `graceful_timeout_s` to be answered. Reports the bound port, so port 0
     works. `unread_timeout_s`: `listening_socket`'s."""
+    _one_connection_at_most()
     sock = listening_socket(host, port, unread_timeout_s)
     config = Config()
     config.bind = [f"fd://{sock.fileno()}"]
