@@ -44,10 +44,12 @@ from hicache.runtime.serve_checks import ServeError
 from hicache.runtime.serving.admission import Admission
 from hicache.runtime.serving.app import create_app
 from hicache.runtime.serving.backend import ModelInfo
+from hicache.runtime.serving.door import DoorLimits
 from hicache.runtime.serving.health import Health
 from hicache.runtime.serving.node_backend import NodeBackend
 from hicache.runtime.serving.routed_backend import RoutedBackend
 from hicache.runtime.serving.server import serve_http
+from hicache.runtime.serving.token_rate import TokenRate
 from hicache.runtime.serving.trace_recorder import RecordingError, TraceRecorder, config_header
 from hicache.runtime.supervisor import Supervisor, check_attached, tcp_probe
 from hicache.runtime.wire import protocol
@@ -83,6 +85,13 @@ class ServeOptions:
     max_tokens: int = 32768
     context_length: int | None = None  # SGLang's --context-length; None: the model's own
     max_queued_requests: int | None = None  # the front door's queue; None: as many as run at once
+    queue_timeout_s: float | None = 60.0  # a request queued this long gets a 503; None: no limit
+    max_connections: int = 1024  # requests open at the front door at once (door.py)
+    max_body_bytes_in_flight: int = 64 << 20  # bytes of request bodies held at once
+    body_timeout_s: float = 30.0  # a body must arrive whole within this of its headers
+    max_requests_per_tenant: int | None = None  # None: as many as run at once + half the queue
+    max_tokens_per_minute_per_tenant: int | None = None  # None: no token rate limit
+    stream_stall_timeout_s: float | None = 30.0  # a stream its client does not read is aborted
     node_restarts: int = 3  # restarts of one node within `restart_window_s`; 0: a death ends serve
     restart_window_s: float = 600.0
     health_check_interval_s: float = 5.0  # how often attached nodes are checked
@@ -103,6 +112,10 @@ class Codec:
     def __init__(self, tokenizer: ChatTokenizer, *, special_tokens_in_content: bool = False) -> None:
         self.tokenizer = tokenizer
         self.special_tokens_in_content = special_tokens_in_content
+
+    @property
+    def max_token_chars(self) -> int | None:
+        return self.tokenizer.max_token_chars
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
@@ -263,7 +276,18 @@ async def serve(
             if len(each) > 1:
                 backend = RoutedBackend(each, Router(opts.router, len(each)))
             queued = running if opts.max_queued_requests is None else opts.max_queued_requests
-            admission = Admission(running, queued, max_tokens=pool, reserve_tokens=reserve)
+            admission = Admission(
+                running, queued, max_tokens=pool, reserve_tokens=reserve, queue_timeout_s=opts.queue_timeout_s
+            )
+            # One caller may fill the running slots but only half the queue: the rest stays for others.
+            per_tenant = opts.max_requests_per_tenant or running + max(1, queued // 2)
+            limits = DoorLimits(
+                body_timeout_s=opts.body_timeout_s,
+                body_bytes_in_flight=opts.max_body_bytes_in_flight,
+                max_connections=opts.max_connections,
+                max_requests_per_tenant=per_tenant,
+            )
+            tpm = opts.max_tokens_per_minute_per_tenant
             recorder = await _recorder(opts, name, decode_at, admin_key, len(prefill_at) or None)
             codec = Codec(tokenizer, special_tokens_in_content=opts.special_tokens_in_content)
             served = opts.served_model_names or (name,)
@@ -278,6 +302,9 @@ async def serve(
                 admission=admission,
                 health=health,
                 shared_open_cache=opts.shared_open_cache,
+                limits=limits,
+                stream_stall_timeout_s=opts.stream_stall_timeout_s,
+                rate=None if tpm is None else TokenRate(tpm),
             )
             if keys is None:
                 log.warning(
@@ -301,6 +328,7 @@ async def serve(
                         opts.port,
                         shutdown_trigger=trigger,
                         graceful_timeout_s=GRACE_S,
+                        unread_timeout_s=opts.stream_stall_timeout_s,
                         task_status=task_status,
                     )
                     nursery.cancel_scope.cancel()  # stopped (`stopping`): the supervisor and checks too
@@ -325,6 +353,7 @@ async def serve(
                     "context_length": limit,
                     "max_running_requests": running,
                     "max_queued_requests": queued,
+                    "max_requests_per_tenant": per_tenant,
                     "pids": {n.name: n.process.pid for n in supervisor.nodes},  # the nodes started here
                 }
                 task_status.started(ready)

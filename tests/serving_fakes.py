@@ -26,6 +26,8 @@ class ByteCodec:
     """One token per UTF-8 byte; ids >= 256 are special and decode to nothing. A chat prompt is
     "<role>content\\n" per message and "<assistant>" to finish, byte for byte."""
 
+    max_token_chars = 1  # a token is one byte, so at most one character
+
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 

@@ -139,7 +139,7 @@ async def test_a_node_with_keys_serves_only_authenticated_clients() -> None:
         with pytest.raises(protocol.ProtocolError, match="needs an API key"):
             await anonymous.stats()
         await anonymous.aclose()
-        with pytest.raises(protocol.ProtocolError, match="refused the API key: .*unknown API key"):
+        with pytest.raises(protocol.ProtocolError, match="refused the connection: .*unknown API key"):
             await DecodeClient.connect("127.0.0.1", port, api_key=ACME[:-1] + "?")
 
 

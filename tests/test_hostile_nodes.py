@@ -511,26 +511,92 @@ async def test_a_stranger_holds_a_connection_slot_no_longer_than_the_frame_timeo
 
 @pytest.mark.parametrize("node", NODES)
 async def test_connections_beyond_the_cap_are_refused(node: str) -> None:
+    """Busy connections (each inside a frame) fill the cap: a newcomer is refused, saying so.
+    (A decode node first closes its client's connection, which waits between requests.)"""
     limits = Limits(max_connections=3)
     async with nodes(limits, limits) as n:
         gate = n.gate(node)
         streams = []
-        while gate.connections < 3:  # the node's own (decode: the client; prefill: decode's control)
+        # the node's own connection (decode: the client; prefill: decode's control), then busy ones
+        while gate.connections < 3 or gate.waiting:
             streams.append(await trio.open_tcp_stream("127.0.0.1", n.port(node)))
+            await streams[-1].send_all(protocol.encode({"op": "stats"})[:3])  # inside a frame: busy
             with trio.fail_after(GUARD_S):
-                while gate.connections + gate.refused_connections < len(streams) + 1:
+                while gate.connections + gate.refused_connections + gate.evicted < len(streams) + 1:
                     await trio.sleep(0.01)
+            await trio.testing.wait_all_tasks_blocked()  # its bytes were read: it is busy, not waiting
+            assert len(streams) < 10
         replies = await exchange(n.port(node), b"", close=False)
         assert len(replies) == 1 and "too many connections" in replies[0]["reason"], replies
-        await n.verified()
+        assert "busy" in replies[0]["reason"]
         for s in streams:
             await s.aclose()
         with trio.fail_after(GUARD_S):
             while gate.connections > 1:
                 await trio.sleep(0.01)
+        await n.verified()
         if node == "decode":
             (stats,) = await exchange(n.decode_port, protocol.encode({"op": "stats"}))
             assert stats["op"] == "stats"
+
+
+@pytest.mark.parametrize("keys", [False, True], ids=["open", "api-keys"])
+async def test_silent_connections_make_room_for_clients_at_the_cap(keys: bool) -> None:
+    """Issue 30, finding 5: connections that send nothing held every slot, and the front door's
+    next connection was refused ("refused the API key: too many connections"). Now a newcomer at
+    the cap closes one waiting between requests, with a goodbye (one not authenticated first,
+    else the longest idle), and a client gets through; a refusal says what it is."""
+    limits = Limits(max_connections=4)
+    api_keys = ApiKeys({digest(ADMIN_KEY): Principal(tenant=None, admin=True)}) if keys else None
+    async with nodes(limits, limits, api_keys=api_keys) as n:
+        gate = n.gate("decode")
+        silent = []
+        while gate.connections < 4:  # the client's own connection, then silent ones
+            silent.append(await trio.open_tcp_stream("127.0.0.1", n.decode_port))
+            with trio.fail_after(GUARD_S):
+                while gate.connections < len(silent) + 1:
+                    await trio.sleep(0.01)
+            assert len(silent) < 10
+        other = await DecodeClient.connect("127.0.0.1", n.decode_port, api_key=ADMIN_KEY if keys else None)
+        try:
+            (stats,) = [await other.call({"op": "stats"})]
+            assert stats[0]["op"] == "stats", stats
+        finally:
+            await other.aclose()
+        assert gate.evicted >= 1 and gate.refused_connections == 0
+        if keys:  # an unauthenticated silent connection made the room, told why; the client's was kept
+            reader = protocol.FrameReader(silent[0])
+            with trio.fail_after(GUARD_S):
+                goodbye, _ = await reader.receive()
+            assert goodbye["op"] == "goodbye" and "make room" in goodbye["reason"], goodbye
+        # Open, the longest idle went (the client's own): it sends its next request again.
+        await n.verified()
+        for s in silent:
+            await s.aclose()
+
+
+async def test_a_refused_connection_is_not_called_a_refused_key() -> None:
+    """The client names a refusal for what it is (the node's reason), not an API key problem."""
+    limits = Limits(max_connections=2)
+    api_keys = ApiKeys({digest(ADMIN_KEY): Principal(tenant=None, admin=True)})
+    async with nodes(limits, limits, api_keys=api_keys) as n:
+        gate = n.gate("decode")
+        busy = []
+        while gate.connections < 2 or gate.waiting:  # the client's own waits: it makes room once
+            busy.append(await trio.open_tcp_stream("127.0.0.1", n.decode_port))
+            await busy[-1].send_all(protocol.encode({"op": "stats"})[:3])  # inside a frame: busy
+            with trio.fail_after(GUARD_S):
+                while gate.connections + gate.evicted < len(busy) + 1:
+                    await trio.sleep(0.01)
+            await trio.testing.wait_all_tasks_blocked()  # its bytes were read: it is busy, not waiting
+            assert len(busy) < 10
+        with pytest.raises(
+            protocol.ProtocolError, match="refused the connection: too many connections"
+        ) as err:
+            await DecodeClient.connect("127.0.0.1", n.decode_port, api_key=ADMIN_KEY)
+        assert "API key" not in str(err.value)
+        for b in busy:
+            await b.aclose()
 
 
 def rss() -> int:

@@ -496,6 +496,65 @@ SERVE = Command(
                     "gets 503 with Retry-After at once (SGLang's name; default: as many as run)",
                 ),
                 arg(
+                    "--queue-timeout",
+                    type=float_above(0, inclusive=True),
+                    default=60.0,
+                    metavar="S",
+                    help="a request queued S seconds without a slot gets 503 with Retry-After "
+                    "(default 60; 0: it waits as long as it takes)",
+                ),
+                arg(
+                    "--max-requests-per-tenant",
+                    type=int_in(1),
+                    default=None,
+                    metavar="N",
+                    help="requests one caller (an API key's tenant; without keys, its bearer token or "
+                    "address) may have open at once; the next gets 429 with Retry-After before its body "
+                    "is read (default: as many as the decode nodes run at once plus half the queue, so "
+                    "one caller never fills the queue)",
+                ),
+                arg(
+                    "--max-tokens-per-minute-per-tenant",
+                    type=int_in(1),
+                    default=None,
+                    metavar="N",
+                    help="prompt + output tokens one caller may ask for per minute (charged at arrival, "
+                    "the output not generated given back); past it, 429 with Retry-After (default: no limit)",
+                ),
+                arg(
+                    "--stream-stall-timeout",
+                    type=float_above(0, inclusive=True),
+                    default=30.0,
+                    metavar="S",
+                    help="a stream whose client reads nothing for S seconds is paused, then aborted (its "
+                    "generation stops, the reason is logged) and its connection reset (default 30; 0: never)",
+                ),
+                arg(
+                    "--max-connections",
+                    type=int_in(1),
+                    default=1024,
+                    metavar="N",
+                    help="requests open at the front door at once (one per HTTP/1.1 connection; a "
+                    "connection without one is closed after 5 s); the next gets 503 before its body "
+                    "is read (default 1024)",
+                ),
+                arg(
+                    "--max-body-bytes-in-flight",
+                    type=int_in(1),
+                    default=64 << 20,
+                    metavar="BYTES",
+                    help="bytes of request bodies the front door holds at once, counted as they "
+                    "arrive; past it, 503 with Retry-After (default 64 MiB; one body: at most 16 MiB)",
+                ),
+                arg(
+                    "--body-timeout",
+                    type=float_above(0),
+                    default=30.0,
+                    metavar="S",
+                    help="a request's body must arrive whole within S seconds of its headers, else 408 "
+                    "(default 30)",
+                ),
+                arg(
                     "--node-restarts",
                     type=int_in(0),
                     default=3,

@@ -81,7 +81,8 @@ class Clients:
         try:
             while True:
                 try:
-                    msg, _ = await reader.receive()
+                    with self.gate.between_requests(reader):  # may be closed to make room
+                        msg, _ = await reader.receive()
                 except EOFError:
                     return
                 try:

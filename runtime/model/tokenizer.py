@@ -112,6 +112,17 @@ class ChatTokenizer:
     def token_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
 
+    @cached_property
+    def max_token_chars(self) -> int | None:
+        """The most characters one token spells: `chars / this` is a floor on the tokens of a
+        text, which a server checks before tokenizing it. A vocabulary entry's UTF-8 length
+        bounds what it spells (a byte-level entry spells one byte, so at most one character, per
+        character of it). None when a normalizer could shrink text first (no such floor)."""
+        if self.backend.normalizer is not None:
+            return None
+        vocab = self.backend.get_vocab(with_added_tokens=True)
+        return max((len(t.encode("utf-8", "surrogatepass")) for t in vocab), default=1) or 1
+
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; `add_special_tokens` adds BOS/EOS where the checkpoint asks for them."""
         return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)

@@ -16,12 +16,19 @@ a process with neither key nor secret cannot hold any of the budget, however man
 sends; the handshake's frames are all far below that size. Nor does it hold a connection slot
 for long: until authenticated, a connection silent for `Limits.frame_timeout_s` is closed (the
 handshake takes a round trip), not after `Limits.idle_timeout_s`.
+
+Nor can silent connections fill the slots: a node that marks its connections' waits between
+requests (`Gate.between_requests`, the decode node's client port) makes room for a newcomer at
+the cap by closing one that waits, with a `goodbye` (nothing of a next request was read, so a
+client sends it again on a new connection): one not authenticated first, else the one idle the
+longest. Only when every connection is busy is a newcomer refused.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 import attrs
@@ -67,6 +74,8 @@ class Gate:
         self.refused_connections = 0
         self.refused_frames = 0
         self.refused_unauthenticated = 0  # of those, frames above `small_frame` before auth
+        self.evicted = 0  # connections closed while waiting, to make room for a newcomer
+        self._waiting: dict[protocol.FrameReader, float] = {}  # between requests, since when
 
     # ------------------------------------------------------------------ the frame budget
 
@@ -116,11 +125,49 @@ class Gate:
         budget.authenticated = True
         reader.idle_timeout = self.limits.idle_timeout_s
 
+    @property
+    def waiting(self) -> int:
+        """Connections waiting between requests, no byte of the next one read (those that
+        could make room now)."""
+        return sum(1 for reader in self._waiting if reader.in_idle_wait)
+
+    @contextlib.contextmanager
+    def between_requests(self, reader: protocol.FrameReader) -> Iterator[None]:
+        """Around a wait for a connection's next request: the connection may be closed then
+        to make room for a newcomer (module notes)."""
+        self._waiting[reader] = trio.current_time()
+        try:
+            yield
+        finally:
+            self._waiting.pop(reader, None)
+
+    def _make_room(self) -> bool:
+        """Close a connection that waits between requests (module notes); False if none does."""
+
+        def trusted(reader: protocol.FrameReader) -> bool:
+            return isinstance(reader.budget, ConnectionBudget) and reader.budget.authenticated
+
+        order = sorted(self._waiting, key=lambda r: (trusted(r), self._waiting[r]))
+        cap = self.limits.max_connections
+        for reader in order:
+            reason = (
+                f"closed to make room for a new connection: this node serves at most {cap} connections "
+                "and this one was waiting for a request"
+            )
+            if reader.end_idle_wait(reason):
+                del self._waiting[reader]
+                self.evicted += 1
+                return True
+        return False
+
     async def enter(self, stream: trio.SocketStream, peer: str) -> bool:
         """Count a new connection in, or answer it with the reason it is refused (False)."""
-        if self.connections >= self.limits.max_connections:
+        if self.connections >= self.limits.max_connections and not self._make_room():
             self.refused_connections += 1
-            reason = f"too many connections: this node serves at most {self.limits.max_connections}"
+            reason = (
+                f"too many connections: this node serves at most {self.limits.max_connections}, "
+                "all of them busy with requests"
+            )
             self.log.warning("refused a connection from %s: %s", peer, reason)
             await self.send_quietly(stream, {"op": "error", "reason": reason})
             return False

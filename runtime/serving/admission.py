@@ -110,12 +110,24 @@ class Admission:
     """`async with admission.slot():` around the work of one request at the decode nodes."""
 
     def __init__(
-        self, max_running: int, max_queued: int, max_tokens: int = 0, reserve_tokens: int = 0
+        self,
+        max_running: int,
+        max_queued: int,
+        max_tokens: int = 0,
+        reserve_tokens: int = 0,
+        *,
+        queue_timeout_s: float | None = None,
     ) -> None:
         """`reserve_tokens`: the output tokens a decode node reserves for a request as it admits
-        it (its `--decode-reserve-tokens`); a request counts its prompt and up to that much."""
+        it (its `--decode-reserve-tokens`); a request counts its prompt and up to that much.
+        `queue_timeout_s`: a request queued that long leaves with a 503 and Retry-After (None:
+        it waits as long as it takes)."""
+        if queue_timeout_s is not None and not queue_timeout_s > 0:
+            raise ValueError(f"admission: expected queue_timeout_s > 0, got {queue_timeout_s!r}")
         self.slots = Slots(max_running, max_queued, max_tokens)
         self.reserve_tokens = reserve_tokens
+        self.queue_timeout_s = queue_timeout_s
+        self.timed_out = 0
         self._events: dict[int, trio.Event] = {}
         self._next = 0
         self.mean_run_s = 1.0  # a first guess, replaced by what requests take
@@ -173,7 +185,21 @@ class Admission:
         if decision == "queued":
             event = self._events[ticket] = trio.Event()
             try:
-                await event.wait()
+                with trio.move_on_after(self.queue_timeout_s if self.queue_timeout_s else math.inf):
+                    await event.wait()
+                if not event.is_set():  # still queued: it leaves, and those behind may start
+                    self._wake(self.slots.withdraw(ticket) or [])
+                    self.timed_out += 1
+                    late = Overloaded(
+                        f"the request waited {self.queue_timeout_s:g} s in the queue without a slot "
+                        f"(--queue-timeout): {self.running} requests running, {self.queued} queued; "
+                        "retry later",
+                        self.retry_after_s(),
+                    )
+                    late.code = "queue_timeout"
+                    raise late
+            except Overloaded:
+                raise
             except BaseException:
                 started = self.slots.withdraw(ticket)
                 if started is None:  # it was started as it was cancelled: give its slot back

@@ -10,6 +10,7 @@ import trio
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -19,9 +20,11 @@ from hicache.runtime.serving.admission import Admission
 from hicache.runtime.serving.auth import Auth, KeyLookup, PrincipalLike
 from hicache.runtime.serving.backend import Backend, TextCodec
 from hicache.runtime.serving.context import Context, context
+from hicache.runtime.serving.door import Door, DoorLimits, DoorMiddleware
 from hicache.runtime.serving.errors import JSON, ApiError, error_response
 from hicache.runtime.serving.health import Health
 from hicache.runtime.serving.metrics import Metrics
+from hicache.runtime.serving.token_rate import TokenRate
 from hicache.runtime.serving.trace_recorder import RecordingError, TraceRecorder
 
 log = logging.getLogger("hicache.runtime.serving")
@@ -97,6 +100,9 @@ def create_app(
     shared_open_cache: bool = False,
     aliases: Sequence[str] = (),
     page_size: int = 1,
+    limits: DoorLimits | None = None,
+    stream_stall_timeout_s: float | None = None,
+    rate: TokenRate | None = None,
 ) -> Starlette:
     """An ASGI app for `backend`; `codec` tokenizes prompts and detokenizes output.
 
@@ -111,7 +117,13 @@ def create_app(
     `model_name` is the name responses and metrics carry; clients may also call the model by
     any of `aliases` (SGLang's repeatable --served-model-name). `page_size`: the decode nodes'
     tokens per KV page, as SGLang's /server_info reports it.
+    `limits`: what a client may hold at the door (door.py; `max_body_bytes` when not given);
+    `stream_stall_timeout_s`: a stream whose client reads nothing for that long is aborted
+    (sse.py; None: never); `rate`: each caller's tokens per minute (token_rate.py; None: no limit).
     """
+    limits = DoorLimits(max_body_bytes=max_body_bytes) if limits is None else limits
+    auth = Auth(api_keys, shared_open_cache=shared_open_cache)
+    door = Door(limits)
     app = Starlette(
         routes=[
             *sglang_api.ROUTES,
@@ -121,6 +133,7 @@ def create_app(
             Route("/stop_trace_recording", stop_trace_recording, methods=["POST"]),
         ],
         exception_handlers={ApiError: _api_error, HTTPException: _http_error},
+        middleware=[Middleware(DoorMiddleware, door=door, auth=auth)],
     )
     ctx_metrics = Metrics(model_name)
     if admission is not None:
@@ -130,14 +143,17 @@ def create_app(
         codec=codec,
         model_name=model_name,
         info=backend.model_info(),
-        auth=Auth(api_keys, shared_open_cache=shared_open_cache),
+        auth=auth,
         metrics=ctx_metrics,
-        max_body_bytes=max_body_bytes,
+        max_body_bytes=limits.max_body_bytes,
         started_at=time.time(),
         recorder=recorder if recorder is not None else TraceRecorder(model_name),
         admission=admission,
         health=health if health is not None else Health(),
         aliases=tuple(aliases),
         page_size=page_size,
+        door=door,
+        stream_stall_timeout_s=stream_stall_timeout_s,
+        rate=rate,
     )
     return app

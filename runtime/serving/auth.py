@@ -76,6 +76,11 @@ class Auth:
     def enabled(self) -> bool:
         return self._keys is not None
 
+    def caller(self, request: Request) -> str:
+        """Who an open door's caller is, for its limits: its namespace as `open_caller` names
+        it, even where callers share one cache (`shared_open_cache`)."""
+        return open_caller(request).tenant or "unknown"
+
     def principal(self, request: Request, *, admin: bool = False) -> PrincipalLike:
         """The caller, or a 401 (no or unknown key) / 403 (an admin route, a tenant's key)."""
         if self._keys is None:

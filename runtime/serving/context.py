@@ -21,17 +21,37 @@ from starlette.responses import Response
 from hicache.runtime.serving.admission import Admission, Overloaded
 from hicache.runtime.serving.auth import Auth
 from hicache.runtime.serving.backend import Backend, ModelInfo, TextCodec
+from hicache.runtime.serving.door import CALLER, Door, DoorLimits
 from hicache.runtime.serving.errors import ApiError, bad_request, error_response, unavailable
 from hicache.runtime.serving.generation import Generation, Job, aclose_shielded
 from hicache.runtime.serving.health import Health
 from hicache.runtime.serving.metrics import Metrics
 from hicache.runtime.serving.shutdown import Shutdown
-from hicache.runtime.serving.sse import Disconnected, until_disconnect
+from hicache.runtime.serving.sse import Disconnected, EventStream, until_disconnect
+from hicache.runtime.serving.token_rate import TokenRate
 from hicache.runtime.serving.trace_recorder import TraceRecorder
 
 log = logging.getLogger("hicache.runtime.serving")
 
 THREAD_ENCODE_CHARS = 32_768  # longer texts are tokenized in a worker thread, off the event loop
+TOKENIZE_THREADS = 2  # texts tokenized at once in worker threads; more wait their turn
+
+
+def can_fit(codec: TextCodec, chars: int, max_context: int, param: str) -> None:
+    """Refuse, before tokenizing it, a text too long to fit the context whatever its tokens: a
+    codec's `max_token_chars` (the most characters one of its tokens spells) makes
+    `chars / max_token_chars` a floor on the tokens of `chars` characters. A codec that cannot
+    say (a normalizer may shrink text) is not checked here; the body limit bounds it."""
+    per = getattr(codec, "max_token_chars", None)
+    if not isinstance(per, int) or per < 1:
+        return
+    if -(-chars // per) >= max_context:  # at least this many tokens: no room left to generate
+        raise bad_request(
+            f"'{param}' holds {chars} characters: at least {-(-chars // per)} tokens, as one token of "
+            f"this model spells at most {per}; this node holds at most {max_context} tokens "
+            "(prompt and output), so it has no room to generate",
+            param,
+        )
 
 
 @attrs.define
@@ -48,6 +68,10 @@ class Context:
     admission: Admission | None = None  # the bounded queue in front of the backend; None: none
     health: Health = attrs.field(factory=Health)
     shutdown: Shutdown = attrs.field(factory=Shutdown)  # ends what is in flight when the server stops
+    door: Door = attrs.field(factory=lambda: Door(DoorLimits()))  # what clients hold (door.py)
+    stream_stall_timeout_s: float | None = None  # a stream not read for this long is aborted
+    rate: TokenRate | None = None  # each caller's tokens per minute (token_rate.py); None: no limit
+    tokenizing: trio.CapacityLimiter = attrs.field(factory=lambda: trio.CapacityLimiter(TOKENIZE_THREADS))
     aliases: tuple[str, ...] = ()  # more names clients may call the model by (--served-model-name)
     page_size: int = 1  # tokens per KV page at the decode nodes (SGLang's server_info reports it)
 
@@ -56,9 +80,15 @@ class Context:
         """Every name the model answers to, the one responses carry first."""
         return (self.model_name, *(a for a in self.aliases if a != self.model_name))
 
-    async def encode(self, text: str) -> list[int]:
+    async def _off_loop(self, fn: Callable[[], Any]) -> Any:
+        """`fn()` in a worker thread, at most TOKENIZE_THREADS at once; a request cancelled
+        meanwhile (its client left, the server stops) does not wait for it."""
+        return await trio.to_thread.run_sync(fn, abandon_on_cancel=True, limiter=self.tokenizing)
+
+    async def encode(self, text: str, param: str = "text") -> list[int]:
+        can_fit(self.codec, len(text), self.info.max_context_tokens, param)
         if len(text) > THREAD_ENCODE_CHARS:
-            return await trio.to_thread.run_sync(self.codec.encode, text)
+            return await self._off_loop(functools.partial(self.codec.encode, text))
         return self.codec.encode(text)
 
     def chat_features(self) -> frozenset[str]:
@@ -70,18 +100,21 @@ class Context:
     ) -> list[int]:
         """The prompt's token ids (`tools` passed to the template only when given, as Hugging
         Face passes them)."""
+        chars = sum(len(m.get("content") or "") for m in messages)
+        can_fit(self.codec, chars, self.info.max_context_tokens, "messages")
         extra = {} if tools is None else {"tools": tools}
         apply = functools.partial(
             self.codec.apply_chat_template, messages, add_generation_prompt=True, **extra
         )
         try:
-            if sum(len(m["content"]) for m in messages) > THREAD_ENCODE_CHARS:
-                out = await trio.to_thread.run_sync(apply)
-            else:
-                out = apply()
+            out = await self._off_loop(apply) if chars > THREAD_ENCODE_CHARS else apply()
         except Exception as exc:  # a template that refuses these messages (jinja2's raise_exception)
             raise bad_request(f"the chat template refused the messages: {exc}"[:300], "messages") from None
-        return await self.encode(out) if isinstance(out, str) else list(out)
+        return await self.encode(out, "messages") if isinstance(out, str) else list(out)
+
+    def event_stream(self, gen: Generation, body: AsyncGenerator[bytes, None]) -> EventStream:
+        """The stream of `gen`'s events, stopped if its client stops reading (sse.py)."""
+        return EventStream(body, stall_s=self.stream_stall_timeout_s, on_stall=gen.abort)
 
     def generation(self, request: Request, job: Job) -> Generation:
         arrived = getattr(request.state, "arrived", None)
@@ -96,6 +129,8 @@ class Context:
             arrived,
             on_end,
             admission=self.admission,
+            rate=self.rate,
+            caller=request.scope.get(CALLER, job.request.tenant or ""),
         )
         if rec is not None:
             rec.arrived(gen)  # the requests in flight when it came: the clients' concurrency

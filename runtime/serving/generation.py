@@ -29,6 +29,7 @@ from hicache.runtime.serving.backend import (
 from hicache.runtime.serving.detokenize import IncrementalDetokenizer
 from hicache.runtime.serving.metrics import Metrics
 from hicache.runtime.serving.stops import StopStrings
+from hicache.runtime.serving.token_rate import TokenRate
 
 log = logging.getLogger("hicache.runtime.serving")
 
@@ -89,12 +90,15 @@ class Generation:
         arrived: float | None = None,
         on_end: Callable[[Generation], None] | None = None,
         admission: Admission | None = None,
+        rate: TokenRate | None = None,
+        caller: str = "",
     ):
         """`arrived`: the request's arrival (time.monotonic()), so TTFT includes reading and
         tokenizing it; now if not given. `on_end` sees the generation once it ended and was
         counted (a trace recorder); what it raises is logged, never the request's. `admission`:
         the front door's bounded queue, which the request waits in before it reaches the backend
-        (`Overloaded`, a 503, out of `run` when it is full)."""
+        (`Overloaded`, a 503, out of `run` when it is full). `rate`: the callers' tokens per
+        minute, charged to `caller` (`RateLimited`, a 429, out of `run` when spent)."""
         self.backend = backend
         self.job = job
         self._metrics = metrics
@@ -115,6 +119,8 @@ class Generation:
         self.transferred_tokens: int | None = None
         self._on_end = on_end
         self._admission = admission
+        self._rate = rate
+        self._caller = caller
         self.queued_s = 0.0
         self._first_token_at: float | None = None
         self._last_token_at: float | None = None
@@ -150,6 +156,10 @@ class Generation:
         admission queue, the request holds one of its slots from before it reaches the backend
         until it ended there; a full queue raises `Overloaded` before anything started."""
         async with contextlib.AsyncExitStack() as held:
+            if self._rate is not None:
+                req = self.job.request
+                charged = self._rate.charge(self._caller, len(req.input_ids) + req.max_new_tokens)
+                held.callback(self._refund, self._rate, charged)
             if self._admission is not None:
                 req = self.job.request
                 need = self._admission.need(len(req.input_ids), req.max_new_tokens)
@@ -158,6 +168,11 @@ class Generation:
             pieces = await held.enter_async_context(contextlib.aclosing(self._run()))
             async for piece in pieces:
                 yield piece
+
+    def _refund(self, rate: TokenRate, charged: int) -> None:
+        """Give the caller back the output charged but not generated."""
+        unused = self.job.request.max_new_tokens - len(self.output_ids)
+        rate.refund(self._caller, min(charged, unused))
 
     async def _run(self) -> AsyncGenerator[str, None]:
         events = self.backend.generate(self.job.request)

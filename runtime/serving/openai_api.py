@@ -78,7 +78,7 @@ async def prompt_list(ctx: Context, prompt: object) -> list[tuple[list[int], str
     for n, item in enumerate(items):
         where = f"prompt[{n}]" if many else "prompt"
         if isinstance(item, str):
-            out.append((await ctx.encode(params.text(item, where)), item))
+            out.append((await ctx.encode(params.text(item, where), where), item))
         elif isinstance(item, list):
             ids = params.token_ids(item, where, ctx.info.vocab_size, ctx.info.max_context_tokens)
             out.append((ids, ctx.codec.decode(ids)))
@@ -244,7 +244,7 @@ def endpoint(chat: bool) -> Callable[[Request], Any]:
         shapes = Shapes(ctx, plan, gens)
         if plan.streaming:
             streams = await ctx.start_streams(request, gens)
-            return gone() if streams is None else shapes.event_stream(streams)
+            return gone() if streams is None else shapes.event_stream(streams, ctx.stream_stall_timeout_s)
         if not await ctx.run_all_to_end(request, gens):
             return gone()
         failed = next((gen for gen in gens if gen.failed), None)

@@ -130,12 +130,17 @@ class Shapes:
         head = self._head("chat.completion.chunk" if self.chat else "text_completion")
         return head | {"choices": [], "usage": self.usage()}
 
-    def event_stream(self, streams: Sequence[Stream]) -> EventStream:
-        """The response streaming every choice: one task per choice feeds its pieces to the body."""
+    def event_stream(self, streams: Sequence[Stream], stall_s: float | None = None) -> EventStream:
+        """The response streaming every choice: one task per choice feeds its pieces to the body.
+        With `stall_s`, a client that reads nothing for that long ends every choice (sse.py)."""
         send, receive = trio.open_memory_channel[Piece](0)
         producers = [functools.partial(_produce, i, s, send.clone()) for i, s in enumerate(streams)]
         send.close()
-        return EventStream(self._body(receive), producers)
+        return EventStream(self._body(receive), producers, stall_s=stall_s, on_stall=self._abort_all)
+
+    def _abort_all(self, reason: str) -> None:
+        for c in self.choices:
+            c.gen.abort(reason)
 
     async def _body(self, receive: trio.MemoryReceiveChannel[Piece]) -> AsyncGenerator[bytes]:
         async with receive:

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import attrs
+import trio
 from starlette.requests import ClientDisconnect, Request
 
 from hicache.runtime.serving.errors import ApiError, bad_request, show
@@ -24,8 +25,15 @@ MAX_ID_CHARS = 128
 DRAIN_BYTES = 1 << 20  # of a body sent without Content-Length, read past the limit and dropped
 
 
+THREAD_PARSE_BYTES = 1 << 20  # larger bodies are parsed in a worker thread
+
+
 def _no_constants(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
+
+
+def _loads(raw: bytes) -> Any:
+    return json.loads(raw, parse_constant=_no_constants)
 
 
 async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
@@ -48,8 +56,13 @@ async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
             raise ApiError(413, f"the body is over the limit of {max_bytes} bytes", code="body_too_large")
     except ClientDisconnect:
         raise bad_request("the client went away before sending the whole body") from None
+    raw = b"".join(chunks)
+    chunks.clear()
     try:
-        data = json.loads(b"".join(chunks), parse_constant=_no_constants)
+        if len(raw) > THREAD_PARSE_BYTES:  # off the event loop: other requests go on meanwhile
+            data = await trio.to_thread.run_sync(_loads, raw, abandon_on_cancel=True)
+        else:
+            data = _loads(raw)
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
         raise bad_request(f"the body is not JSON: {exc}"[:200]) from None
     if not isinstance(data, dict):

@@ -20,7 +20,7 @@ from hicache.runtime.serving.generation import Generation, Job, aclose_shielded
 from hicache.runtime.serving.logprob_shapes import TokenTexts
 from hicache.runtime.serving.metrics import CACHE_SOURCES
 from hicache.runtime.serving.params import Unsupported
-from hicache.runtime.serving.sse import DONE, EventStream, event
+from hicache.runtime.serving.sse import DONE, event
 from hicache.runtime.wire.sampling_fields import MAX_TOP_LOGPROBS
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
@@ -248,7 +248,7 @@ async def generate(request: Request) -> Response:
     gen = ctx.generation(request, jobs[0])
     if streaming:
         stream = await ctx.start_stream(request, gen)
-        return gone() if stream is None else EventStream(sse_body(gen, stream, texts, with_text))
+        return gone() if stream is None else ctx.event_stream(gen, sse_body(gen, stream, texts, with_text))
     if not await ctx.run_to_end(request, gen):
         return gone()
     if gen.failed:

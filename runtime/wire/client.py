@@ -63,7 +63,8 @@ class DecodeClient:
         got = await self._exchange(protocol.encode({"op": "auth", "api_key": self.api_key}), "auth")
         if got is None or got[0]["op"] != "auth":
             reason = got[0].get("reason") if got is not None else "the connection closed"
-            raise protocol.ProtocolError(f"decode node at {self.where}: refused the API key: {reason}")
+            # The node says why: an unknown key, or a connection it could not take at all.
+            raise protocol.ProtocolError(f"decode node at {self.where} refused the connection: {reason}")
         self.principal = got[0]
 
     async def _reconnect(self) -> None:

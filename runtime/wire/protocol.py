@@ -112,6 +112,8 @@ class FrameReader:
         self.budget = budget
         self._buf = bytearray()
         self._peeked: tuple[dict[str, Any], bytes] | BaseException | None = None
+        self._idle_wait: trio.CancelScope | None = None  # while waiting for a frame's first byte
+        self._closed_because = ""
 
     async def _fill(self, n: int, what: str) -> None:
         """Buffer at least `n` bytes, consuming none: a read cancelled half-way (a request's
@@ -123,6 +125,21 @@ class FrameReader:
                     raise EOFError("the peer closed the connection")
                 raise ProtocolError(f"the peer closed the connection inside a frame's {what}")
             self._buf += chunk
+
+    @property
+    def in_idle_wait(self) -> bool:
+        """Waiting for a next frame of which no byte has arrived."""
+        return self._idle_wait is not None and not self._buf
+
+    def end_idle_wait(self, reason: str) -> bool:
+        """End a wait for a next frame of which no byte has arrived, as its idle timeout would
+        (an `IdleTimeout` saying `reason`); False, doing nothing, if the reader is not in one."""
+        if not self.in_idle_wait:
+            return False
+        assert self._idle_wait is not None
+        self._closed_because = reason
+        self._idle_wait.cancel()
+        return True
 
     async def peek(self) -> dict[str, Any]:
         """The next frame's JSON, left to be received (what `receive` would raise is raised
@@ -152,9 +169,17 @@ class FrameReader:
     async def _receive(self) -> tuple[dict[str, Any], bytes]:
         if not self._buf:
             with trio.move_on_after(self.idle_timeout) as idle:
-                chunk = await self.stream.receive_some(65536)
+                self._idle_wait = idle
+                try:
+                    chunk = await self.stream.receive_some(65536)
+                finally:
+                    self._idle_wait = None
             if idle.cancelled_caught:
-                raise IdleTimeout(f"no frame within {self.idle_timeout:g} s: the connection was idle")
+                why = (
+                    self._closed_because
+                    or f"no frame within {self.idle_timeout:g} s: the connection was idle"
+                )
+                raise IdleTimeout(why)
             if not chunk:
                 raise EOFError("the peer closed the connection")
             self._buf += chunk
