@@ -29,18 +29,8 @@ from typing import Any
 
 import openai
 
-SYSTEM = "You are a travel guide. Answer in two short sentences."
-QUESTIONS = [
-    "Tell me about {city}.",
-    "What is the weather like there in spring?",
-    "Which museum should I not miss?",
-    "How do I get there from the airport?",
-    "Where should I stay for a quiet night?",
-    "What is a good day trip from there?",
-    "What should I eat there?",
-    "Is it expensive?",
-]
-CITIES = ["Paris", "Rome", "Madrid", "Vienna", "Prague", "Lisbon", "Berlin", "Oslo", "Athens", "Dublin"]
+from hicache.runtime.serving.chat_traffic import CITIES, QUESTIONS, SYSTEM
+
 MODEL = "SmolLM2-135M-Instruct"
 
 
