@@ -31,6 +31,7 @@ generation and cached token counters, the cache hit rate and the KV usage gauges
 from __future__ import annotations
 
 import argparse
+import collections
 import hashlib
 import json
 import os
@@ -152,7 +153,9 @@ def main() -> None:
             cmd += ["--output-artifact-dir", str(args.artifacts)]
             cmd += ["--no-gpu-telemetry"] + ([] if args.server_metrics else ["--no-server-metrics"])
             print("$", " ".join(cmd), flush=True)
+            load_before = os.getloadavg()[0]
             done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            load_after = os.getloadavg()[0]
             print(done.stdout[-6000:])
             if done.returncode != 0:
                 print(done.stderr[-4000:], file=sys.stderr)
@@ -170,6 +173,28 @@ def main() -> None:
             print(f"{key:60} {ours[key]:>12.0f}")
     if args.server_metrics:
         print_server_metrics(args.artifacts / "server_metrics_export.json")
+    print(summary(args.artifacts, load_before, load_after))
+
+
+def summary(artifacts: Path, load_before: float, load_after: float) -> str:
+    """One line from AIPerf's own exports: errors by HTTP status, TTFT p50/p99 of the requests
+    that succeeded, output tokens/s, and the 1-minute load average before and after the run."""
+    errors: collections.Counter[object] = collections.Counter()
+    with (artifacts / "profile_export.jsonl").open() as f:
+        for line in f:
+            err = json.loads(line).get("error")
+            if err:
+                errors[err.get("code")] += 1
+    agg = json.loads((artifacts / "profile_export_aiperf.json").read_text())
+    ttft = agg.get("time_to_first_token") or {}
+    rate = (agg.get("output_token_throughput") or {}).get("avg")
+    done = (agg.get("request_count") or {}).get("avg")
+    seconds = [ttft.get(k) for k in ("p50", "p99")]
+    shown = " / ".join("-" if v is None else f"{v / 1000:.2f} s" for v in seconds)
+    return (
+        f"summary: {done:.0f} succeeded, errors {dict(errors) or 0}, TTFT p50 / p99 {shown}, "
+        f"output {rate or 0:.2f} tokens/s, load average {load_before:.2f} -> {load_after:.2f}"
+    )
 
 
 AIPERF_READS = (  # what AIPerf's server-metrics summary reads of an SGLang server

@@ -8,6 +8,11 @@ tokenizer differs), and stopped; the servers alternate A B B A (`--rounds 2`). P
   random prompt of `--prompt` tokens and `--new` output tokens; tokens/s is every stream's output
   tokens over the wall time from the first request sent to the last token received;
 - TTFT of one cold prompt of 512 and of 2,000 tokens (fresh random ids: no cache hit anywhere);
+- multi-turn TTFT with each server's own prefix cache: `--conversations` chats of `--turns` turns,
+  visited round-robin by one client; turn k's prompt is turn k-1's prompt followed by
+  `--turn-tokens` fresh ids (the part a chat client would add: the reply and the next question),
+  so every turn after the first can reuse its whole previous prompt. `mt_first` is the mean TTFT
+  of the first turns (cold), `mt_later` that of every later turn (what the cache saves);
 - peak RSS of the server's whole process tree (hicache: front door, prefill and decode nodes),
   sampled every 0.2 s from start-up to shutdown.
 
@@ -180,6 +185,18 @@ def throughput(port: int, concurrency: int, prompt_len: int, new: int, rng: rand
     return sum(tokens) / (time.perf_counter() - start)
 
 
+def multiturn(port: int, args: argparse.Namespace, rng: random.Random) -> tuple[float, float]:
+    """Mean TTFT of the first turns and of the later ones, conversations visited round-robin."""
+    chats: list[list[int]] = [[] for _ in range(args.conversations)]
+    first: list[float] = []
+    later: list[float] = []
+    for turn in range(args.turns):
+        for chat in chats:
+            chat += [rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(args.turn_tokens)]
+            (later if turn else first).append(stream(port, chat, args.turn_new)[0])
+    return sum(first) / len(first), sum(later) / max(1, len(later))
+
+
 def measure(spec: str, args: argparse.Namespace, log: Path, seed: int) -> dict[str, Any]:
     rng = random.Random(seed)
     load_before = os.getloadavg()[0]
@@ -196,6 +213,10 @@ def measure(spec: str, args: argparse.Namespace, log: Path, seed: int) -> dict[s
             prompt = [rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(n)]
             out[f"ttft_{n}"] = stream(port, prompt, 1)[0]
             print(f"  {out['server']} ttft {n}: {out[f'ttft_{n}']:.3f} s", flush=True)
+        if args.turns > 0:
+            out["mt_first"], out["mt_later"] = multiturn(port, args, rng)
+            mt = f"first {out['mt_first']:.3f} s, later {out['mt_later']:.3f} s"
+            print(f"  {out['server']} multi-turn TTFT: {mt}", flush=True)
     finally:
         sampler.stop.set()
         sampler.join()
@@ -218,6 +239,10 @@ def main() -> None:
     parser.add_argument("--ttft", type=int, nargs="*", default=[512, 2000])
     parser.add_argument("--prompt", type=int, default=64, help="prompt tokens of each throughput request")
     parser.add_argument("--new", type=int, default=32, help="output tokens of each throughput request")
+    parser.add_argument("--turns", type=int, default=4, help="turns of each multi-turn chat (0: none)")
+    parser.add_argument("--conversations", type=int, default=4, help="multi-turn chats, round-robin")
+    parser.add_argument("--turn-tokens", type=int, default=256, help="prompt tokens each turn adds")
+    parser.add_argument("--turn-new", type=int, default=8, help="output tokens of each turn")
     parser.add_argument(
         "--rounds", type=int, default=2, help="A B .. then .. B A: each server this many times"
     )
@@ -236,7 +261,8 @@ def main() -> None:
         print("  " + json.dumps(runs[-1]), flush=True)
     if args.json is not None:
         args.json.write_text(json.dumps(runs, indent=1))
-    keys = [f"tok_s_c{c}" for c in args.concurrency] + [f"ttft_{n}" for n in args.ttft] + ["peak_rss_gib"]
+    keys = [f"tok_s_c{c}" for c in args.concurrency] + [f"ttft_{n}" for n in args.ttft]
+    keys += (["mt_first", "mt_later"] if args.turns > 0 else []) + ["peak_rss_gib"]
     print("\nbest of each server's runs (tok/s: highest; TTFT and RSS: lowest):")
     print("| server | " + " | ".join(keys) + " | load |")
     for name in dict.fromkeys(r["server"] for r in runs):

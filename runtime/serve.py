@@ -155,7 +155,7 @@ class ModelSource:
 def load_model_source(model: str) -> ModelSource:
     """The tokenizer and context length of `model`: `max_position_embeddings` of a Hugging Face
     folder's config.json, or `<arch>.context_length` of a GGUF file (8192 for the default)."""
-    from hicache.runtime.model.loader import default_model_path
+    from hicache.runtime.model.model_file import default_model_path
 
     path = default_model_path() if model == "default" else Path(model)
     if path.is_dir():
@@ -165,7 +165,7 @@ def load_model_source(model: str) -> ModelSource:
         )
     import gguf
 
-    from hicache.runtime.model.gguf_file import read_metadata
+    from hicache.runtime.model.model_file import read_metadata
 
     meta = read_metadata(gguf.GGUFReader(path))
     arch = meta.get("general.architecture")

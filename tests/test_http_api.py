@@ -344,6 +344,29 @@ async def test_flush_cache_health_and_model_info() -> None:
 # ============================================================================ clients that leave
 
 
+async def test_a_streamed_batch_interleaves_each_prompts_lines_by_index_then_one_done() -> None:
+    """SGLang's streamed batch: every line is one prompt's cumulative snapshot with its `index`;
+    each prompt's last line carries its finish_reason; one [DONE] after them all."""
+    payload = {
+        "text": ["abcdef", "xyz"],
+        "sampling_params": [{"max_new_tokens": 6}, {"max_new_tokens": 2}],
+        "rid": ["first", "second"],
+        "stream": True,
+    }
+    async with live() as (url, backend), httpx2.AsyncClient(base_url=url) as c:
+        lines = await _read_like_bench_multiturn(c, payload)
+    by_index = {i: [line for line in lines if line["index"] == i] for i in (0, 1)}
+    assert len(lines) == len(by_index[0]) + len(by_index[1])
+    for i, (text, n, rid) in enumerate([("abcdef", 6, "first"), ("xy", 2, "second")]):
+        mine = by_index[i]
+        texts = [line["text"] for line in mine]
+        assert texts[-1] == text and all(b.startswith(a) for a, b in zip(texts, texts[1:], strict=False))
+        reasons = [line["meta_info"]["finish_reason"] for line in mine]
+        assert reasons[:-1] == [None] * (len(mine) - 1) and reasons[-1] == {"type": "length", "length": n}
+        assert {line["meta_info"]["id"] for line in mine} == {rid}
+    assert len(backend.requests) == 2 and not backend.active
+
+
 async def _leave_after(url: str, path: str, body: dict[str, Any], marker: bytes) -> None:
     """POST `body`, read the stream until `marker` shows, and hang up (no client library, so
     the connection closes at once, not when a pool gets round to it)."""
@@ -372,8 +395,17 @@ async def test_a_client_leaving_mid_stream_aborts_its_request() -> None:
         chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True}
         await _leave_after(url, "/v1/chat/completions", chat, b'"content":"<')
         await poll(lambda: len(backend.aborted) == 2)
+        batch = {
+            "text": ["one long", "two long"],
+            "sampling_params": {"max_new_tokens": 4000},
+            "stream": True,
+        }
+        await _leave_after(url, "/generate", batch, b'"index":')  # every prompt of it ends
+        await poll(lambda: len(backend.aborted) == 4)
+        assert sorted(backend.aborted[2:]) == sorted(r.rid for r in backend.requests[2:])
+        assert not backend.active
         metrics = (await c.get("/metrics")).text
-    assert 'hicache_requests_total{api="generate",outcome="disconnect"} 1.0' in metrics
+    assert 'hicache_requests_total{api="generate",outcome="disconnect"} 3.0' in metrics
     assert 'hicache_requests_total{api="chat",outcome="disconnect"} 1.0' in metrics
 
 
@@ -404,7 +436,6 @@ BAD: list[tuple[str, bytes | dict[str, Any], int, str]] = [
     ("/generate", b'{"text": "hi", "sampling_params": {"temperature": NaN}}', 400, "not JSON"),
     ("/generate", {"text": "hi", "input_ids": [1]}, 400, "exactly one"),
     ("/generate", {}, 400, "exactly one"),
-    ("/generate", {"text": ["a", "b"], "stream": True}, 400, "streaming a batch"),
     ("/generate", {"text": ["a", "b"], "sampling_params": [{}]}, 400, "1 items for 2 prompts"),
     ("/generate", {"text": ["a", 5]}, 400, "'text[1]' must be a string"),
     ("/generate", {"text": []}, 400, "the batch is empty"),

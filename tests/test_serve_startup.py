@@ -4,6 +4,8 @@ one line naming the flag, and exit 2, without a node started (runtime/serve_chec
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -70,3 +72,17 @@ def _write(path: Path, data: bytes) -> Path:
 def _folder(path: Path) -> Path:
     path.mkdir()
     return path
+
+
+def test_the_front_door_reads_the_model_without_loading_torch() -> None:
+    """The front door needs the tokenizer and the context length, not the tensor library: torch
+    would be about 100 MB of its RSS for nothing (the nodes compute)."""
+    probe = (
+        "import sys\n"
+        "from hicache.runtime.serve import load_model_source\n"
+        "source = load_model_source('default')\n"
+        "print(source.context_length, source.name, 'torch' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["8192", "SmolLM2-135M-Instruct", "False"]

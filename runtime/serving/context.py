@@ -238,6 +238,22 @@ class Stream:
             await aclose_shielded(self.tail)
 
 
+Piece = tuple[int, str | None]  # a stream's index among its request's and its next text (None: it ended)
+
+
+async def feed_pieces(i: int, stream: Stream, send: trio.MemorySendChannel[Piece]) -> None:
+    """Stream `i`'s pieces into `send`, then (i, None) once it ended: how one response
+    interleaves several generations (OpenAI's choices, SGLang's batch) as their tokens come."""
+    async with send:
+        pieces = stream.pieces()
+        try:
+            async for piece in pieces:
+                await send.send((i, piece))
+        finally:
+            await aclose_shielded(pieces)
+        await send.send((i, None))
+
+
 async def _together(fns: Sequence[Callable[[], Awaitable[None]]]) -> None:
     """Run `fns` side by side (one alone: in this task); a refusal (`ApiError`, such as a full
     queue's 503) out of any comes out as itself, not inside an exception group."""

@@ -12,13 +12,11 @@ from typing import Any
 import attrs
 import trio
 
-from hicache.runtime.serving.context import Context, Stream
+from hicache.runtime.serving.context import Context, Piece, Stream, feed_pieces
 from hicache.runtime.serving.errors import ApiError, dumps, unavailable
-from hicache.runtime.serving.generation import Generation, Job, aclose_shielded
+from hicache.runtime.serving.generation import Generation, Job
 from hicache.runtime.serving.logprob_shapes import CompletionLogprobs, TokenTexts, chat_content
 from hicache.runtime.serving.sse import DONE, EventStream, event
-
-Piece = tuple[int, str | None]  # a choice's index and its next text (None: it ended)
 
 
 @attrs.frozen
@@ -134,7 +132,7 @@ class Shapes:
         """The response streaming every choice: one task per choice feeds its pieces to the body.
         With `stall_s`, a client that reads nothing for that long ends every choice (sse.py)."""
         send, receive = trio.open_memory_channel[Piece](0)
-        producers = [functools.partial(_produce, i, s, send.clone()) for i, s in enumerate(streams)]
+        producers = [functools.partial(feed_pieces, i, s, send.clone()) for i, s in enumerate(streams)]
         send.close()
         return EventStream(self._body(receive), producers, stall_s=stall_s, on_stall=self._abort_all)
 
@@ -166,15 +164,3 @@ class Shapes:
             if self.plan.usage:
                 yield event(self.usage_chunk())
             yield DONE
-
-
-async def _produce(i: int, stream: Stream, send: trio.MemorySendChannel[Piece]) -> None:
-    """Choice `i`'s pieces into `send`, then (i, None) once it ended."""
-    async with send:
-        pieces = stream.pieces()
-        try:
-            async for piece in pieces:
-                await send.send((i, piece))
-        finally:
-            await aclose_shielded(pieces)
-        await send.send((i, None))

@@ -3,7 +3,8 @@ bench_serving: `data: {...}` lines with the cumulative text, then `data: [DONE]`
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
+import functools
+from collections.abc import AsyncGenerator, Sequence
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
@@ -14,13 +15,21 @@ from starlette.routing import Route
 
 from hicache.runtime.serving import known_keys, logprob_shapes, params
 from hicache.runtime.serving.backend import TIERS, GenerateRequest, Sampling, Tokens
-from hicache.runtime.serving.context import Context, Stream, context, generation_route, gone
+from hicache.runtime.serving.context import (
+    Context,
+    Piece,
+    Stream,
+    context,
+    feed_pieces,
+    generation_route,
+    gone,
+)
 from hicache.runtime.serving.errors import JSON, bad_request, show, unavailable
 from hicache.runtime.serving.generation import Generation, Job, aclose_shielded
 from hicache.runtime.serving.logprob_shapes import TokenTexts
 from hicache.runtime.serving.metrics import CACHE_SOURCES
 from hicache.runtime.serving.params import Unsupported
-from hicache.runtime.serving.sse import DONE, event
+from hicache.runtime.serving.sse import DONE, EventStream, event
 from hicache.runtime.wire.sampling_fields import MAX_TOP_LOGPROBS
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
@@ -63,8 +72,6 @@ async def parse_generate(
     if not prompts:
         raise bad_request("the batch is empty", "text" if text is not None else "input_ids")
     stream = False if body.get("stream") is None else params.boolean(body.get("stream"), "stream")
-    if batch and stream:
-        raise bad_request("streaming a batch is not supported: stream one prompt per request", "stream")
     raws = (
         _per_prompt(body.get("sampling_params"), len(prompts), "sampling_params")
         if batch
@@ -227,6 +234,29 @@ async def sse_body(
         await aclose_shielded(pieces)
 
 
+async def batch_sse_body(
+    gens: Sequence[Generation],
+    receive: trio.MemoryReceiveChannel[Piece],
+    texts: TokenTexts,
+    with_text: bool,
+) -> AsyncGenerator[bytes, None]:
+    """A streamed batch as SGLang streams one: each prompt's snapshots as its tokens come,
+    interleaved, each with the prompt's `index` in the batch; one `[DONE]` after the last."""
+    async with receive:
+        said_finish = [False] * len(gens)
+        left = len(gens)
+        async for i, piece in receive:
+            if piece is not None or not said_finish[i]:  # the last line carries finish_reason, once
+                line = snapshot(gens[i], texts, with_text) | {"index": i}
+                said_finish[i] = line["meta_info"]["finish_reason"] is not None
+                yield event(line)
+            if piece is None:
+                left -= 1
+                if not left:
+                    break
+        yield DONE
+
+
 @generation_route("generate")
 async def generate(request: Request) -> Response:
     ctx = context(request)
@@ -235,6 +265,21 @@ async def generate(request: Request) -> Response:
     jobs, batch, streaming = await parse_generate(ctx, body, principal.tenant)
     with_text = body.get("return_text_in_logprobs") is True
     texts = TokenTexts(ctx.codec)
+    if batch and streaming:
+        gens = [ctx.generation(request, job) for job in jobs]
+        streams = await ctx.start_streams(request, gens)
+        if streams is None:
+            return gone()
+        send, receive = trio.open_memory_channel[Piece](0)
+        producers = [functools.partial(feed_pieces, i, s, send.clone()) for i, s in enumerate(streams)]
+        send.close()
+
+        def abort_all(reason: str) -> None:
+            for gen in gens:
+                gen.abort(reason)
+
+        body = batch_sse_body(gens, receive, texts, with_text)
+        return EventStream(body, producers, stall_s=ctx.stream_stall_timeout_s, on_stall=abort_all)
     if batch:
         gens = [ctx.generation(request, job) for job in jobs]
         if not await ctx.run_all_to_end(request, gens):
