@@ -19,7 +19,8 @@ import torch
 from torch_helpers import one_thread  # noqa: F401  (a fixture)
 
 from hicache.runtime.model.llama import LlamaModel
-from hicache.runtime.model.loader import LoadedModel, default_model_path, load_model
+from hicache.runtime.model.loader import LoadedModel, load_model
+from hicache.runtime.model.model_file import default_model_path
 from hicache.runtime.model.sampling import sample
 from hicache.runtime.model.tokenizer import ChatTokenizer, byte_alphabet
 from hicache.runtime.wire.sampling_fields import Sampling

@@ -68,6 +68,3 @@ def load_model(path: str | Path | None = None, *, dtype: str = "auto", kv_dtype:
         kv_dtype=None if kv_dtype == "auto" else kv_dtype,
     )
     return LoadedModel(model=model, tokenizer=tokenizer, source=source)
-
-
-__all__ = ["LoadedModel", "default_model_path", "load_model"]

@@ -241,9 +241,19 @@ class Stream:
 Piece = tuple[int, str | None]  # a stream's index among its request's and its next text (None: it ended)
 
 
-async def feed_pieces(i: int, stream: Stream, send: trio.MemorySendChannel[Piece]) -> None:
-    """Stream `i`'s pieces into `send`, then (i, None) once it ended: how one response
-    interleaves several generations (OpenAI's choices, SGLang's batch) as their tokens come."""
+def interleave(
+    streams: Sequence[Stream],
+) -> tuple[trio.MemoryReceiveChannel[Piece], list[Callable[[], Awaitable[None]]]]:
+    """Where one response's body reads several streams' pieces as they come (OpenAI's choices,
+    SGLang's batch), and the producers (one per stream) that `EventStream` runs to feed it."""
+    send, receive = trio.open_memory_channel[Piece](0)
+    producers = [functools.partial(_feed, i, s, send.clone()) for i, s in enumerate(streams)]
+    send.close()
+    return receive, producers
+
+
+async def _feed(i: int, stream: Stream, send: trio.MemorySendChannel[Piece]) -> None:
+    """Stream `i`'s pieces into `send`, then (i, None) once it ended."""
     async with send:
         pieces = stream.pieces()
         try:

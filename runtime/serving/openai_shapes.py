@@ -4,7 +4,6 @@ OpenAI sums it (each prompt once, every choice's completion)."""
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import AsyncGenerator, Sequence
 from typing import Any
@@ -12,7 +11,7 @@ from typing import Any
 import attrs
 import trio
 
-from hicache.runtime.serving.context import Context, Piece, Stream, feed_pieces
+from hicache.runtime.serving.context import Context, Piece, Stream, interleave
 from hicache.runtime.serving.errors import ApiError, dumps, unavailable
 from hicache.runtime.serving.generation import Generation, Job
 from hicache.runtime.serving.logprob_shapes import CompletionLogprobs, TokenTexts, chat_content
@@ -131,9 +130,7 @@ class Shapes:
     def event_stream(self, streams: Sequence[Stream], stall_s: float | None = None) -> EventStream:
         """The response streaming every choice: one task per choice feeds its pieces to the body.
         With `stall_s`, a client that reads nothing for that long ends every choice (sse.py)."""
-        send, receive = trio.open_memory_channel[Piece](0)
-        producers = [functools.partial(feed_pieces, i, s, send.clone()) for i, s in enumerate(streams)]
-        send.close()
+        receive, producers = interleave(streams)
         return EventStream(self._body(receive), producers, stall_s=stall_s, on_stall=self._abort_all)
 
     def _abort_all(self, reason: str) -> None:

@@ -3,7 +3,6 @@ bench_serving: `data: {...}` lines with the cumulative text, then `data: [DONE]`
 
 from __future__ import annotations
 
-import functools
 from collections.abc import AsyncGenerator, Sequence
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
@@ -20,9 +19,9 @@ from hicache.runtime.serving.context import (
     Piece,
     Stream,
     context,
-    feed_pieces,
     generation_route,
     gone,
+    interleave,
 )
 from hicache.runtime.serving.errors import JSON, bad_request, show, unavailable
 from hicache.runtime.serving.generation import Generation, Job, aclose_shielded
@@ -270,9 +269,7 @@ async def generate(request: Request) -> Response:
         streams = await ctx.start_streams(request, gens)
         if streams is None:
             return gone()
-        send, receive = trio.open_memory_channel[Piece](0)
-        producers = [functools.partial(feed_pieces, i, s, send.clone()) for i, s in enumerate(streams)]
-        send.close()
+        receive, producers = interleave(streams)
 
         def abort_all(reason: str) -> None:
             for gen in gens:
