@@ -81,7 +81,9 @@ class FakeBackend:
     """Answers each prompt with its own tokens, cycled (so the output text is the prompt's
         text again), `delay_s` apart. EOS after `eos_after` tokens unless ignore_eos. Cached
         tokens: the longest prefix shared with an earlier prompt, all of it "l1" (cleared by
-        flush). `refuse`: answer every request with Finished("abort", refuse); `fail_after`: raise
+        flush). `refuse`: answer every request with Finished("abort", refuse), or, with
+        `refuse_as_is`, as a node refusing the request as it is (Finished("error", refuse,
+        refused=True)); `fail_after`: raise
     RuntimeError after that many tokens (a backend bug). Records what it
         saw: `requests`, `aborted` and `finished` rids, and `active` ones."""
 
@@ -89,6 +91,7 @@ class FakeBackend:
     delay_s: float = 0.0
     eos_after: int | None = None
     refuse: str | None = None
+    refuse_as_is: bool = False
     fail_after: int | None = None
     stats_value: dict[str, float] = attrs.field(
         factory=lambda: {"queue_waiting": 0.0, "pool_l1_used_pages": 3.0}
@@ -131,7 +134,8 @@ class FakeBackend:
             self._seen.append(list(req.input_ids))
             if self.refuse is not None:
                 done = True
-                yield Finished("abort", self.refuse, len(req.input_ids), cached)
+                reason = "error" if self.refuse_as_is else "abort"
+                yield Finished(reason, self.refuse, len(req.input_ids), cached, refused=self.refuse_as_is)
                 return
             for n in range(req.max_new_tokens):
                 await trio.sleep(self.delay_s)

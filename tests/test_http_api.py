@@ -159,6 +159,32 @@ async def test_a_refused_request_is_a_503_streaming_or_not() -> None:
             assert r.json()["error"]["message"] == "the queue is full"
 
 
+async def test_a_request_the_node_refuses_as_it_is_is_a_400_naming_why() -> None:
+    """A prompt over a limit of the node's (prefill's `--staging-pages`) fails again if sent
+    again: the client's to change, so a 400 with the node's sentence, not a 503 to retry."""
+    why = "the prompt needs 19 staging pages to send, more than this prefill node's 8 (--staging-pages)"
+    async with (
+        live(FakeBackend(refuse=why, refuse_as_is=True)) as (url, _),
+        httpx2.AsyncClient(base_url=url) as c,
+    ):
+        for path, body in [
+            ("/generate", {"text": "hi"}),
+            ("/generate", {"text": "hi", "stream": True}),
+            ("/generate", {"text": ["hi", "yo"]}),
+            ("/v1/completions", {"model": MODEL, "prompt": "hi"}),
+            ("/v1/completions", {"model": MODEL, "prompt": "hi", "stream": True}),
+            (
+                "/v1/chat/completions",
+                {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True},
+            ),
+        ]:
+            r = await c.post(path, json=body)
+            assert r.status_code == 400, (path, body, r.text)
+            error = r.json()["error"]
+            assert error["message"] == why and error["code"] == "request_refused", (path, error)
+            assert "Retry-After" not in r.headers
+
+
 def _openai_stream_breaks(url: str) -> str:
     import openai  # here, not at the top: importing it takes about a second of collection
 

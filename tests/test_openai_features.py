@@ -179,3 +179,37 @@ async def test_a_choice_that_fails_fails_the_request_and_ends_the_others() -> No
         )
     assert '"error"' in streamed.text and streamed.text.endswith("data: [DONE]\n\n")
     assert not backend.active
+
+
+def _continuous(url: str) -> list[Any]:
+    client = _client(url)
+    return list(
+        client.completions.create(
+            model=MODEL,
+            prompt="hello",
+            max_tokens=4,
+            stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+        )
+    )
+
+
+async def test_continuous_usage_stats_puts_the_usage_so_far_in_every_chunk() -> None:
+    """vLLM's `stream_options.continuous_usage_stats`: each chunk's usage counts the tokens sent
+    so far; the last chunk (no choices) the whole. Without `include_usage`, or an option no API
+    defines, is a 400 naming it: never ignored."""
+    async with live() as (url, _), httpx2.AsyncClient(base_url=url, timeout=GUARD_S) as c:
+        chunks = await trio.to_thread.run_sync(_continuous, url)
+        prompt_tokens = len(CODEC.encode("hello"))
+        with_text = [ch for ch in chunks if ch.choices]
+        assert all(ch.usage is not None and ch.usage.prompt_tokens == prompt_tokens for ch in chunks)
+        counts = [ch.usage.completion_tokens for ch in with_text]
+        assert counts == sorted(counts) and counts[-1] == 4 and counts[0] >= 1, counts
+        assert not chunks[-1].choices and chunks[-1].usage.total_tokens == prompt_tokens + 4
+        for opts, param in [
+            ({"continuous_usage_stats": True}, "stream_options.continuous_usage_stats"),
+            ({"include_usage": True, "usage_every": 2}, "stream_options.usage_every"),
+        ]:
+            body = {"model": MODEL, "prompt": "hi", "stream": True, "stream_options": opts}
+            r = await c.post("/v1/completions", json=body)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

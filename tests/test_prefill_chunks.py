@@ -112,10 +112,12 @@ async def test_a_prompt_larger_than_the_staging_pool_is_refused_once(tmp_path: P
         assert reply["outcome"] == "failed", reply
         assert "19 staging pages" in reply["reason"] and "--staging-pages" in reply["reason"], reply
         assert "Group" not in reply["reason"] and "attempts" not in reply["reason"], reply
+        assert reply["refused"] is True  # the front door answers it 400: asking again fails again
         assert pair.prefill.sched.refused == 1  # asked once: not retried
         assert pair.service.core.stats.transfer_retries == 0
         reply, _ = await pair.client.generate("small", prompt(4, 60), 3)  # the node goes on
         assert reply["outcome"] == "finished", reply
+        assert reply["refused"] is False
 
 
 async def test_requests_whose_clients_leave_are_dropped_on_prefill(tmp_path: Path) -> None:

@@ -215,9 +215,10 @@ def test_limits_hold_exactly_at_their_edges() -> None:
 
 
 @asynccontextmanager
-async def front_door(tmp_path: Path) -> AsyncIterator[httpx2.AsyncClient]:
-    """The real app on a loopback port, its backend a real decode node (and its prefill node)."""
-    async with node_pair(tmp_path) as pair:
+async def front_door(tmp_path: Path, **pair: Any) -> AsyncIterator[httpx2.AsyncClient]:
+    """The real app on a loopback port, its backend a real decode node (and its prefill node,
+    `pair` passed to `node_pair`)."""
+    async with node_pair(tmp_path, **pair) as pair:
         port = pair.client.stream.socket.getpeername()[1]
         info = ModelInfo("tiny", MAX_CONTEXT, (), VOCAB)
         backend = NodeBackend("127.0.0.1", port, info)
@@ -228,6 +229,23 @@ async def front_door(tmp_path: Path) -> AsyncIterator[httpx2.AsyncClient]:
                 yield c
             await backend.aclose()
             nursery.cancel_scope.cancel()
+
+
+async def test_a_prompt_prefill_refuses_as_it_is_is_a_400_at_the_door(tmp_path: Path) -> None:
+    """Prefill's staging pool (4 pages of 16) cannot send a 100-token prompt's KV: the decode
+    node marks the failure `refused`, and the door answers 400 with prefill's sentence, once,
+    streaming or not; a prompt that fits is served after it."""
+    async with front_door(tmp_path, prefill={"staging_pages": 4}) as c:
+        for path, body in [
+            ("/generate", {"text": "x" * 100, "sampling_params": {"max_new_tokens": 2}}),
+            ("/v1/completions", {"model": "tiny", "prompt": "y" * 100, "max_tokens": 2, "stream": True}),
+        ]:
+            got = await c.post(path, json=body)
+            assert got.status_code == 400, got.text
+            error = got.json()["error"]
+            assert error["code"] == "request_refused" and "--staging-pages" in error["message"], error
+        got = await c.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2}})
+        assert got.status_code == 200, got.text
 
 
 REFUSED_BY_THE_NODE_BEFORE = [  # each passed the old front door and came back as a 503

@@ -264,6 +264,8 @@ class Clients:
             "start_pages": live.start_pages,
             "final_pages": live.final_pages,
             "prefill_cached": live.prefill_cached or {},
+            # Failed because prefill refused it as it is: the client's to change (a 400, not a 503).
+            "refused": live.outcome == "failed" and live.refused,
         }
         if self.rounds is not None:  # each rank's pages hold its heads: the ledger checks them per rank
             reply["tp_ranks"] = [

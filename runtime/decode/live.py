@@ -48,6 +48,7 @@ class Live:
     ranks: list[dict[str, Any]] = attrs.Factory(list)  # TP, rank 0: ranks 1..'s page reports
     prefill_cached: dict[str, int] | None = None  # prompt tokens prefill had cached, by tier
     keys: list[int] = attrs.Factory(list)  # its first full pages' keys, extended as it grows
+    refused: bool = False  # prefill refused it as it is (too big for its staging): the client's to change
 
     @property
     def tokens(self) -> list[int]:

@@ -135,6 +135,7 @@ class Transfers:
         elif not reason and not reply.get("ok"):
             reason = str(reply.get("reason", "prefill failed"))
             retry = reply.get("refused") is not True  # refused as it is: asking again fails again
+            live.refused = live.refused or not retry
         elif not reason and end < c.end:
             reason = f"prefill sent {len(dst)} of {len(c.dst_slots)} pages (injected)"
         if not reason and reply.get("ok"):

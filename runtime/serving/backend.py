@@ -78,6 +78,8 @@ class Finished:
     ttft_s: float | None = None
     prefill_cached_tokens: int | None = None  # prompt tokens prefill did not compute, if known
     transferred_tokens: int | None = None  # prompt tokens whose KV came over P->D, if known
+    # The node refused the request as it is (asking again fails again): the client's to change.
+    refused: bool = False
 
 
 GenerateEvent = Tokens | Finished

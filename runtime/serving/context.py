@@ -22,7 +22,7 @@ from hicache.runtime.serving.admission import Admission, Overloaded
 from hicache.runtime.serving.auth import Auth
 from hicache.runtime.serving.backend import Backend, ModelInfo, TextCodec
 from hicache.runtime.serving.door import CALLER, Door, DoorLimits
-from hicache.runtime.serving.errors import ApiError, bad_request, error_response, unavailable
+from hicache.runtime.serving.errors import ApiError, bad_request, error_response
 from hicache.runtime.serving.generation import Generation, Job, aclose_shielded
 from hicache.runtime.serving.health import Health
 from hicache.runtime.serving.metrics import Metrics
@@ -162,14 +162,15 @@ class Context:
 
     async def start_stream(self, request: Request, gen: Generation) -> Stream | None:
         """Start a streaming generation and wait for its first text (or its end) while watching
-        the client: a request refused before its first token still gets a 503 status, not a
-        200 stream holding an error. None if the client left."""
+        the client: a request that fails before its first token still gets an error status (503,
+        or 400 when the node refused it as it is), not a 200 stream holding an error. None if
+        the client left."""
         streams = await self.start_streams(request, [gen])
         return None if streams is None else streams[0]
 
     async def start_streams(self, request: Request, gens: Sequence[Generation]) -> list[Stream] | None:
         """`start_stream` for generations side by side (one request's choices): each has its
-        first text or has ended; any refused before its first token is a 503 for them all."""
+        first text or has ended; any failed before its first token is that error for them all."""
         tails = [gen.run() for gen in gens]
         heads: list[str | None] = [None] * len(gens)
 
@@ -197,9 +198,7 @@ class Context:
             if head is None and gen.failed and not gen.output_ids:
                 for tail in tails:
                     await aclose_shielded(tail)
-                assert gen.finish is not None
-                message = gen.finish.message or "the backend refused the request"
-                raise unavailable(message, code=gen.finish.reason)
+                raise gen.error()
         return [
             Stream([] if head is None else [head], tail, gen, self.shutdown)
             for gen, head, tail in zip(gens, heads, tails, strict=True)

@@ -27,6 +27,7 @@ from hicache.runtime.serving.backend import (
     Tokens,
 )
 from hicache.runtime.serving.detokenize import IncrementalDetokenizer
+from hicache.runtime.serving.errors import ApiError, unavailable
 from hicache.runtime.serving.metrics import Metrics
 from hicache.runtime.serving.stops import StopStrings
 from hicache.runtime.serving.token_rate import TokenRate
@@ -58,6 +59,7 @@ class Finish:
     reason: str
     matched: str | int | None = None
     message: str = ""
+    refused: bool = False  # the backend refused the request as it is: a 400, not a 503
 
 
 async def aclose_shielded(agen: AsyncGenerator[object, None], grace_s: float = ABORT_GRACE_S) -> None:
@@ -239,7 +241,7 @@ class Generation:
             stop_ids = self._eos | set(self.job.request.sampling.stop_token_ids)
             self._end("stop", matched=last if last in stop_ids else None, message=event.message)
         elif event.reason in REASONS:
-            self._end(event.reason, message=event.message)
+            self._end(event.reason, message=event.message, refused=event.refused)
         else:
             self._end("error", message=f"the backend finished with reason {event.reason!r}: {event.message}")
         return delta
@@ -248,14 +250,25 @@ class Generation:
         for tier in TIERS:
             self.cached[tier] = _count(cached.get(tier, 0))
 
+    def error(self) -> ApiError:
+        """What a failed generation answers: a 400 when the backend refused the request as it
+        is (a prompt over a limit of the node's: asking again fails again), else a 503."""
+        assert self.finish is not None
+        message = self.finish.message or "the backend gave up on the request"
+        if self.finish.refused:
+            return ApiError(400, message, code="request_refused")
+        return unavailable(message, code=self.finish.reason)
+
     def abort(self, message: str) -> None:
         """Finish as an abort for `message` (the server stopping); the backend's request is
         aborted once `run` is closed or cancelled. No effect on a generation that has ended."""
         self._end("abort", message=message)
 
-    def _end(self, reason: str, *, matched: str | int | None = None, message: str = "") -> None:
+    def _end(
+        self, reason: str, *, matched: str | int | None = None, message: str = "", refused: bool = False
+    ) -> None:
         if self.finish is None:
-            self.finish = Finish(reason, matched, message)
+            self.finish = Finish(reason, matched, message, refused)
 
     def _account(self) -> None:
         """Metrics and the one log line of a finished request (a warning if it failed)."""

@@ -138,6 +138,7 @@ def _finished(result: dict[str, Any], prompt_tokens: int) -> Finished:
         ttft_s=result.get("ttft_s"),
         prefill_cached_tokens=_total(result.get("prefill_cached")),
         transferred_tokens=_count(account.get("transferred")),
+        refused=outcome == "failed" and result.get("refused") is True,
     )
 
 

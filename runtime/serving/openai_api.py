@@ -21,7 +21,7 @@ from hicache.runtime.serving.backend import GenerateRequest
 from hicache.runtime.serving.context import Context, context, generation_route, gone
 from hicache.runtime.serving.errors import JSON, ApiError, bad_request, show
 from hicache.runtime.serving.generation import Job
-from hicache.runtime.serving.openai_shapes import Plan, Shapes, backend_failure
+from hicache.runtime.serving.openai_shapes import Plan, Shapes
 from hicache.runtime.serving.params import Unsupported
 from hicache.runtime.wire.sampling_fields import MAX_TOP_LOGPROBS, Sampling, seed_for
 
@@ -54,16 +54,35 @@ def check_model(ctx: Context, body: dict[str, Any]) -> None:
         )
 
 
-def include_usage(body: dict[str, Any], streaming: bool) -> bool:
+STREAM_OPTIONS = frozenset({"include_usage", "continuous_usage_stats"})
+
+
+def include_usage(body: dict[str, Any], streaming: bool) -> tuple[bool, bool]:
+    """`stream_options`: a last chunk with the usage (OpenAI's `include_usage`), and the usage so
+    far in every chunk as well (vLLM's `continuous_usage_stats`, which needs `include_usage`)."""
     opts = body.get("stream_options")
     if opts is None:
-        return False
+        return False, False
     if not isinstance(opts, dict):
         raise bad_request("'stream_options' must be an object", "stream_options")
     if not streaming:
         raise bad_request("'stream_options' is only allowed when 'stream' is true", "stream_options")
+    for key in opts:
+        if key not in STREAM_OPTIONS:
+            name = f"stream_options.{key}"
+            raise bad_request(
+                f"{show(name)} is not a known option (known: {', '.join(sorted(STREAM_OPTIONS))})", name
+            )
     usage = opts.get("include_usage")
-    return False if usage is None else params.boolean(usage, "stream_options.include_usage")
+    last = False if usage is None else params.boolean(usage, "stream_options.include_usage")
+    every = opts.get("continuous_usage_stats")
+    each = False if every is None else params.boolean(every, "stream_options.continuous_usage_stats")
+    if each and not last:
+        raise bad_request(
+            "'stream_options.continuous_usage_stats' needs 'stream_options.include_usage': true",
+            "stream_options.continuous_usage_stats",
+        )
+    return last, each
 
 
 async def prompt_list(ctx: Context, prompt: object) -> list[tuple[list[int], str]]:
@@ -188,7 +207,7 @@ async def parse(ctx: Context, body: dict[str, Any], tenant: str | None, *, chat:
             "echo",
         )
     streaming = False if body.get("stream") is None else params.boolean(body.get("stream"), "stream")
-    usage = include_usage(body, streaming)
+    usage, usage_every_chunk = include_usage(body, streaming)
     # OpenAI's `user` names the end user: the conversation a session-affinity router keeps together.
     session = "" if body.get("user") is None else params.text(body.get("user"), "user", allow_empty=True)
     keep = False if body.get("no_stop_trim") is None else params.boolean(body["no_stop_trim"], "no_stop_trim")
@@ -211,7 +230,7 @@ async def parse(ctx: Context, body: dict[str, Any], tenant: str | None, *, chat:
             jobs.append(Job("chat" if chat else "completions", req, s.stop, no_stop_trim=keep))
             echoes.append(text if echo else "")
             counts.append(j == 0)
-    return Plan(chat, jobs, echoes, counts, streaming, usage, logprobs)
+    return Plan(chat, jobs, echoes, counts, streaming, usage, logprobs, usage_every_chunk)
 
 
 def _logprobs(body: dict[str, Any], spec: Sampling, chat: bool) -> tuple[Sampling, bool]:
@@ -249,7 +268,7 @@ def endpoint(chat: bool) -> Callable[[Request], Any]:
             return gone()
         failed = next((gen for gen in gens if gen.failed), None)
         if failed is not None:
-            raise backend_failure(failed)
+            raise failed.error()
         return JSON(shapes.whole())
 
     return generation_route("chat" if chat else "completions")(handle)

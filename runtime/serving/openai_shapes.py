@@ -12,7 +12,7 @@ import attrs
 import trio
 
 from hicache.runtime.serving.context import Context, Piece, Stream, interleave
-from hicache.runtime.serving.errors import ApiError, dumps, unavailable
+from hicache.runtime.serving.errors import dumps
 from hicache.runtime.serving.generation import Generation, Job
 from hicache.runtime.serving.logprob_shapes import CompletionLogprobs, TokenTexts, chat_content
 from hicache.runtime.serving.sse import DONE, EventStream, event
@@ -30,15 +30,11 @@ class Plan:
     streaming: bool
     usage: bool
     logprobs: bool
+    usage_every_chunk: bool = False  # vLLM's continuous_usage_stats: each chunk's usage so far
 
 
 def finish_reason(gen: Generation) -> str | None:
     return None if gen.finish is None else gen.finish.reason
-
-
-def backend_failure(gen: Generation) -> ApiError:
-    assert gen.finish is not None
-    return unavailable(gen.finish.message or "the backend gave up on the request", code=gen.finish.reason)
 
 
 @attrs.define
@@ -107,7 +103,7 @@ class Shapes:
         choice |= {"logprobs": logprobs, "finish_reason": finish}
         out = self._head("chat.completion.chunk" if self.chat else "text_completion") | {"choices": [choice]}
         if self.plan.usage:
-            out["usage"] = None
+            out["usage"] = self.usage() if self.plan.usage_every_chunk else None
         return out
 
     def usage(self) -> dict[str, object]:
@@ -149,7 +145,7 @@ class Shapes:
                 c = self.choices[i]
                 if piece is None:  # the choice ended
                     if c.gen.failed:  # OpenAI's clients raise on an `error` object in a stream
-                        yield b"data: " + dumps(backend_failure(c.gen).body()).encode("ascii") + b"\n\n"
+                        yield b"data: " + dumps(c.gen.error().body()).encode("ascii") + b"\n\n"
                         yield DONE
                         return
                     yield event(self.chunk(c, None, finish_reason(c.gen)))

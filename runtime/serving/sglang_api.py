@@ -283,9 +283,7 @@ async def generate(request: Request) -> Response:
             return gone()
         for gen in gens:
             if gen.failed:
-                assert gen.finish is not None
-                message = gen.finish.message or "the backend gave up on the request"
-                raise unavailable(message, code=gen.finish.reason)
+                raise gen.error()
         return JSON([snapshot(gen, texts, with_text) for gen in gens])
     gen = ctx.generation(request, jobs[0])
     if streaming:
@@ -294,8 +292,7 @@ async def generate(request: Request) -> Response:
     if not await ctx.run_to_end(request, gen):
         return gone()
     if gen.failed:
-        assert gen.finish is not None
-        raise unavailable(gen.finish.message or "the backend gave up on the request", code=gen.finish.reason)
+        raise gen.error()
     return JSON(snapshot(gen, texts, with_text))
 
 
