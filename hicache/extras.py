@@ -8,6 +8,8 @@ A core install (`pip install hicache`) runs the simulator, the studies and the d
 
 from __future__ import annotations
 
+import importlib.util
+
 # Import name -> the extra that installs it.
 EXTRA_OF_MODULE: dict[str, str] = {
     "trio": "runtime",
@@ -41,3 +43,12 @@ def missing_extra(exc: ModuleNotFoundError) -> str | None:
     if extra == "runtime":
         advice = f"{CPU_TORCH} (for a CPU-only machine), then {advice}"
     return f"needs the {extra!r} extra, which installs {name}: {advice}"
+
+
+def require(*modules: str) -> None:
+    """Raise `ModuleNotFoundError` for the first of `modules` that is not installed, without
+    importing any: a command that starts processes which need them (serve's nodes) says which
+    extra is missing before it starts anything, and its own process stays free of them."""
+    for name in modules:
+        if importlib.util.find_spec(name) is None:  # None too where sys.modules holds None
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)

@@ -219,7 +219,9 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="file: pages in --storage-dir (else $SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR, else "
         "/tmp/hicache, as SGLang); nixl: the same files, moved by NIXL's POSIX backend; memory: "
-        "this process only; none: no L3 (default: file with --storage-dir, else memory)",
+        "this process only (bounded by --storage-capacity); none: no L3 (default: file with "
+        "--storage-dir, else none, as SGLang: an L3 in this process's memory would only hold a "
+        "second copy of what L2 holds, and grow)",
     )
     storage.add_argument(
         "--storage-dir", type=directory, default=None, metavar="DIR", help="the L3 file store's folder"
@@ -306,7 +308,7 @@ def storage_kind(args: argparse.Namespace) -> tuple[str, Path | None]:
         if folder is None:
             folder = Path(os.environ.get(SGLANG_FILE_DIR_ENV) or SGLANG_FILE_DIR_DEFAULT)
         return backend or "file", folder
-    return "memory", None
+    return "none", None
 
 
 def decode_config(args: argparse.Namespace, page_bytes: int | None = None) -> DecodeConfig:

@@ -35,6 +35,7 @@ from hicache.runtime.decode.decode_node import DecodeService
 from hicache.runtime.decode.faults import FaultyStore
 from hicache.runtime.kv.kv_layout import KVLayout
 from hicache.runtime.kv.l1_sizing import SizingError, l1_pages_for
+from hicache.runtime.lone_error import sole
 from hicache.runtime.malloc_tuning import DEFAULT_MMAP_THRESHOLD, pin_mmap_threshold
 from hicache.runtime.model.llama import LlamaConfig, LlamaModel, TinyConfig, TinyModel
 from hicache.runtime.model.tp_model import check_split, shard_model
@@ -69,13 +70,6 @@ _SECRET_FLAGS = "--secret-file or HICACHE_CLUSTER_SECRET"
 
 class StartupError(Exception):
     """A node could not start; the message is one line for the operator, naming the flag."""
-
-
-def sole(exc: BaseException) -> BaseException:
-    """The one error that `exc` stands for: trio's nurseries wrap even a lone error in groups."""
-    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
-        exc = exc.exceptions[0]
-    return exc
 
 
 def why(exc: OSError) -> str:

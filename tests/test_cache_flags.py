@@ -132,7 +132,10 @@ def test_sglangs_flag_names_set_the_same_settings(tmp_path: Path, monkeypatch: p
 
 def test_the_storage_flags_choose_the_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(cache_flags.SGLANG_FILE_DIR_ENV, raising=False)
-    assert cache_flags.storage_kind(parse()) == ("memory", None)
+    # No L3 unless one is named (as SGLang): a memory one would only copy L2, and grow.
+    assert cache_flags.storage_kind(parse()) == ("none", None)
+    assert cache_flags.decode_config(parse()).storage is False
+    assert cache_flags.storage_kind(parse("--hicache-storage-backend", "memory")) == ("memory", None)
     assert cache_flags.storage_kind(parse("--storage-dir", str(tmp_path))) == ("file", tmp_path)
     assert cache_flags.storage_kind(parse("--hicache-storage-backend", "file")) == (
         "file",

@@ -22,8 +22,9 @@ from hypothesis import strategies as st
 from node_pair import GUARD_S, PAGE, authenticated, node_pair, prompt, small_core, turn
 
 from hicache.runtime.decode.decode_node import DecodeService
+from hicache.runtime.lone_error import sole
 from hicache.runtime.model.llama import TinyConfig, TinyModel
-from hicache.runtime.nodes import layout_for, sole
+from hicache.runtime.nodes import layout_for
 from hicache.runtime.prefill import kv_out
 from hicache.runtime.prefill.prefill_node import PrefillNode
 from hicache.runtime.security import peer_auth

@@ -86,3 +86,21 @@ def test_the_front_door_reads_the_model_without_loading_torch() -> None:
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["8192", "SmolLM2-135M-Instruct", "False"]
+
+
+def test_the_serve_command_itself_never_imports_torch() -> None:
+    """The process that parses serve's flags and becomes the front door checks that torch is
+    installed (its nodes compute with it) without importing it. Driven up to the last check
+    before it would start the nodes, torch is still not loaded."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    probe = (
+        "import sys\n"
+        "from hicache.cli import main\n"
+        f"code = main(['serve', '--port', '{port}', '--served-model-name', ' '])\n"
+        "print(code, 'torch' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.stdout.split() == ["2", "False"], done.stdout + done.stderr
+    assert "--served-model-name" in done.stderr

@@ -205,7 +205,7 @@ def test_defaults_agree_across_the_core_the_scenario_and_the_flags() -> None:
 def test_a_node_with_no_flags_runs_the_cores_defaults_but_its_own() -> None:
     config = cache_flags.decode_config(parse())
     assert config == DecodeConfig(
-        l1_pages=1024, l2_pages=2048, page_size=16, transfer_retries=6, transfer_backoff_s=0.2
+        l1_pages=1024, l2_pages=2048, page_size=16, transfer_retries=6, transfer_backoff_s=0.2, storage=False
     )
 
 

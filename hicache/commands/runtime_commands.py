@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from hicache.extras import require
 from hicache.faults import FaultSpec
 from hicache.runtime import cache_flags
 from hicache.scenarios.scenario import load_scenario
@@ -188,7 +189,9 @@ def run_serve(args: argparse.Namespace) -> int:
         except ServeError as exc:
             print(f"hicache serve: {exc}", file=sys.stderr)
             return 2
-    from hicache.runtime.nodes import sole
+    if args.export_tokenizer is None and not args.decode:
+        require("torch")  # the nodes serve starts compute with it; the front door never imports it
+    from hicache.runtime.lone_error import sole
     from hicache.runtime.security.api_keys import ApiKeyError
     from hicache.runtime.serve import ServeOptions, load_tokenizer, main
     from hicache.runtime.supervisor import NodeDied
