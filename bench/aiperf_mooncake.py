@@ -25,7 +25,10 @@ which the plain run turns off) and prints what its server-metrics summary read: 
 generation and cached token counters, the cache hit rate and the KV usage gauges.
 
     .venv/bin/python bench/aiperf_mooncake.py [--lines 40] [--block-size 32] [--speedup 20]
-        [--server-metrics]
+        [--server-metrics] [--src DIR]
+
+`--src DIR` serves another checkout (e.g. `git worktree add --detach /tmp/before COMMIT`) for a
+before/after pair; the client and the trace slice are the same.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ import tempfile
 from pathlib import Path
 
 import httpx2 as httpx
+from other_tree import env_for
 from prometheus_client.parser import text_string_to_metric_families
 from serve_clients import client_venv, hicache_serve
 
@@ -134,7 +138,9 @@ def main() -> None:
     ap.add_argument("--artifacts", type=Path, default=ROOT / "out" / "aiperf")
     ap.add_argument("--keep", type=Path, default=None, help="copy the slice and the recording here")
     ap.add_argument("--server-metrics", action="store_true", help="let AIPerf scrape /metrics too")
+    ap.add_argument("--src", type=Path, default=None, help="serve another checkout (a before figure)")
     args = ap.parse_args()
+    client_env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "HICACHE_SRC")}
     exe = client_venv("aiperf", AIPERF, "aiperf")
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -143,9 +149,12 @@ def main() -> None:
         recorded = work / "recorded.jsonl"
         serve = ["--storage-dir", str(work / "l3"), "--record-trace", str(recorded)]
         serve += ["--record-block-size", str(args.block_size)]
+        if args.src is not None:  # the server (a child) runs that tree; `-m hicache` looks in the cwd first
+            os.environ.update(env_for(args.src))
+            os.chdir(work)
         with hicache_serve(serve, work / "serve.log") as ready:
             url, model = ready["url"], ready["model"]
-            env = {**os.environ, "HF_HOME": str(work / "hf"), "HF_HUB_OFFLINE": "1"}
+            env = {**client_env, "HF_HOME": str(work / "hf"), "HF_HUB_OFFLINE": "1"}
             cmd = [str(exe), "profile", "--model", model, "--url", url, "--endpoint-type", "chat"]
             cmd += ["--streaming", "--tokenizer", REPO, "--custom-dataset-type", "mooncake_trace"]
             cmd += ["--input-file", str(work / "slice.jsonl"), "--fixed-schedule"]

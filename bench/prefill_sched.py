@@ -35,6 +35,7 @@ from typing import Any
 
 import httpx2 as httpx
 import numpy as np
+from other_tree import env_for
 
 VOCAB = 49152  # SmolLM2's
 
@@ -119,9 +120,7 @@ def summary(rows: list[dict]) -> dict[str, Any]:
 
 
 def serve(args: argparse.Namespace, log: Path) -> tuple[subprocess.Popen, str]:
-    env = dict(os.environ)
-    if args.src:
-        env.update(PYTHONPATH=args.src, HICACHE_SRC=args.src)
+    env = env_for(args.src) if args.src else dict(os.environ)
     env["HICACHE_PURE"] = "1"  # the same Python core on both sides of a comparison
     cmd = [
         sys.executable,

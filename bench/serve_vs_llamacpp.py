@@ -13,11 +13,15 @@ tokenizer differs), and stopped; the servers alternate A B B A (`--rounds 2`). P
   `--turn-tokens` fresh ids (the part a chat client would add: the reply and the next question),
   so every turn after the first can reuse its whole previous prompt. `mt_first` is the mean TTFT
   of the first turns (cold), `mt_later` that of every later turn (what the cache saves);
-- peak RSS of the server's whole process tree (hicache: front door, prefill and decode nodes),
-  sampled every 0.2 s from start-up to shutdown.
+- peak RSS and peak PSS of the server's whole process tree (hicache: front door, prefill and
+  decode nodes), sampled every 0.2 s from start-up to shutdown. Summed RSS counts the libraries
+  the three processes share (python, torch) three times; summed PSS counts them once.
 
     .venv/bin/python bench/serve_vs_llamacpp.py \\
         --server hicache=SRC --server llama-q4=/work/llama-build/build/bin/llama-server:Q4_1.gguf ...
+
+`transformers=DTYPE` is not a server: bench/transformers_peer.py measures the same figures on
+`generate` in a process of its own (one thread), whose memory is sampled the same way.
 
 A `hicache=SRC` server runs `python -m hicache serve` from the checkout at SRC (so main as found and
 this branch alternate in one run); `llama-NAME=BIN:GGUF` runs `BIN -m GGUF -t 1 -c 16384 -np 32
@@ -42,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+from other_tree import env_for
 
 VOCAB_LOW, VOCAB_HIGH = 100, 49000  # ordinary tokens of the default model's vocabulary
 
@@ -53,25 +58,33 @@ def free_port() -> int:
 
 
 class RssSampler(threading.Thread):
-    """The peak of the summed RSS of `pid` and all its descendants."""
+    """The peaks of the summed RSS and the summed PSS of `pid` and all its descendants.
+
+    RSS counts a page shared by several processes (torch's and python's libraries, mapped by
+    each of hicache's three) once per process; PSS splits it among them, so the summed PSS is
+    what the tree takes from the machine. A single process (llama-server) has PSS ~= RSS."""
 
     def __init__(self, pid: int) -> None:
         super().__init__(daemon=True)
         self.root = psutil.Process(pid)
         self.peak = 0
+        self.peak_pss = 0
         self.stop = threading.Event()
 
     def run(self) -> None:
         while not self.stop.is_set():
-            total = 0
+            rss = pss = 0
             try:
                 procs = [self.root, *self.root.children(recursive=True)]
             except psutil.Error:
                 return
             for p in procs:
                 with contextlib.suppress(psutil.Error):  # a process that just ended
-                    total += p.memory_info().rss
-            self.peak = max(self.peak, total)
+                    mem = p.memory_full_info()
+                    rss += mem.rss
+                    pss += mem.pss
+            self.peak = max(self.peak, rss)
+            self.peak_pss = max(self.peak_pss, pss)
             self.stop.wait(0.2)
 
 
@@ -80,7 +93,7 @@ def start_server(spec: str, log: Path, dtype: str) -> tuple[subprocess.Popen, in
     name, _, where = spec.partition("=")
     port = free_port()
     if name.startswith("hicache"):
-        env = dict(os.environ, HICACHE_SRC=where, PYTHONPATH=where)
+        env = env_for(where)
         cmd = [sys.executable, "-m", "hicache", "serve", "--port", str(port), "--log-level", "warning"]
         if dtype:
             cmd += ["--dtype", dtype]
@@ -197,7 +210,40 @@ def multiturn(port: int, args: argparse.Namespace, rng: random.Random) -> tuple[
     return sum(first) / len(first), sum(later) / max(1, len(later))
 
 
+def measure_transformers(spec: str, args: argparse.Namespace, log: Path, seed: int) -> dict[str, Any]:
+    """`transformers=DTYPE`: bench/transformers_peer.py in a process of its own, its memory
+    sampled from here as a server's is."""
+    out: dict[str, Any] = {"server": spec.partition("=")[0], "load_before": os.getloadavg()[0]}
+    cmd = [
+        sys.executable,
+        str(Path(__file__).with_name("transformers_peer.py")),
+        "--dtype",
+        spec.partition("=")[2],
+    ]
+    cmd += ["--threads", "1", "--seed", str(seed), "--prompt", str(args.prompt), "--new", str(args.new)]
+    cmd += ["--concurrency", *map(str, args.concurrency), "--ttft", *map(str, args.ttft)]
+    cmd += ["--turns", str(args.turns), "--conversations", str(args.conversations)]
+    cmd += ["--turn-tokens", str(args.turn_tokens)]
+    with log.open("w") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
+        sampler = RssSampler(proc.pid)
+        sampler.start()
+        stdout, _ = proc.communicate()
+        sampler.stop.set()
+        sampler.join()
+    if proc.returncode != 0:
+        raise SystemExit(f"{spec}: failed: {log.read_text()[-2000:]}")
+    out.update(json.loads(stdout.strip().splitlines()[-1]))
+    out["peak_rss_gib"] = sampler.peak / 2**30
+    out["peak_pss_gib"] = sampler.peak_pss / 2**30
+    out["load_after"] = os.getloadavg()[0]
+    print("  " + log.read_text().strip().replace("\n", "\n  "), flush=True)
+    return out
+
+
 def measure(spec: str, args: argparse.Namespace, log: Path, seed: int) -> dict[str, Any]:
+    if spec.startswith("transformers"):
+        return measure_transformers(spec, args, log, seed)
     rng = random.Random(seed)
     load_before = os.getloadavg()[0]
     proc, port = start_server(spec, log, args.dtype)
@@ -221,6 +267,7 @@ def measure(spec: str, args: argparse.Namespace, log: Path, seed: int) -> dict[s
         sampler.stop.set()
         sampler.join()
         out["peak_rss_gib"] = sampler.peak / 2**30
+        out["peak_pss_gib"] = sampler.peak_pss / 2**30
         out["load_after"] = os.getloadavg()[0]
         proc.terminate()
         try:
@@ -234,7 +281,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--server", action="append", required=True, help="NAME=SRC or llama-NAME=BIN:GGUF")
+    parser.add_argument(
+        "--server",
+        action="append",
+        required=True,
+        help="NAME=SRC (hicache), llama-NAME=BIN:GGUF, or transformers=float32|bfloat16",
+    )
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--ttft", type=int, nargs="*", default=[512, 2000])
     parser.add_argument("--prompt", type=int, default=64, help="prompt tokens of each throughput request")
@@ -262,8 +314,8 @@ def main() -> None:
     if args.json is not None:
         args.json.write_text(json.dumps(runs, indent=1))
     keys = [f"tok_s_c{c}" for c in args.concurrency] + [f"ttft_{n}" for n in args.ttft]
-    keys += (["mt_first", "mt_later"] if args.turns > 0 else []) + ["peak_rss_gib"]
-    print("\nbest of each server's runs (tok/s: highest; TTFT and RSS: lowest):")
+    keys += (["mt_first", "mt_later"] if args.turns > 0 else []) + ["peak_rss_gib", "peak_pss_gib"]
+    print("\nbest of each server's runs (tok/s: highest; TTFT and memory: lowest):")
     print("| server | " + " | ".join(keys) + " | load |")
     for name in dict.fromkeys(r["server"] for r in runs):
         mine = [r for r in runs if r["server"] == name]
