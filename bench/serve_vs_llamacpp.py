@@ -87,6 +87,12 @@ class RssSampler(threading.Thread):
             self.peak_pss = max(self.peak_pss, pss)
             self.stop.wait(0.2)
 
+    def finish(self) -> dict[str, float]:
+        """Stop sampling; the peaks in GiB, as the figures name them."""
+        self.stop.set()
+        self.join()
+        return {"peak_rss_gib": self.peak / 2**30, "peak_pss_gib": self.peak_pss / 2**30}
+
 
 def start_server(spec: str, log: Path, dtype: str) -> tuple[subprocess.Popen, int]:
     """Start the server `spec` names; its process and port once it answers."""
@@ -229,13 +235,10 @@ def measure_transformers(spec: str, args: argparse.Namespace, log: Path, seed: i
         sampler = RssSampler(proc.pid)
         sampler.start()
         stdout, _ = proc.communicate()
-        sampler.stop.set()
-        sampler.join()
+        out.update(sampler.finish())
     if proc.returncode != 0:
         raise SystemExit(f"{spec}: failed: {log.read_text()[-2000:]}")
     out.update(json.loads(stdout.strip().splitlines()[-1]))
-    out["peak_rss_gib"] = sampler.peak / 2**30
-    out["peak_pss_gib"] = sampler.peak_pss / 2**30
     out["load_after"] = os.getloadavg()[0]
     print("  " + log.read_text().strip().replace("\n", "\n  "), flush=True)
     return out
@@ -264,10 +267,7 @@ def measure(spec: str, args: argparse.Namespace, log: Path, seed: int) -> dict[s
             mt = f"first {out['mt_first']:.3f} s, later {out['mt_later']:.3f} s"
             print(f"  {out['server']} multi-turn TTFT: {mt}", flush=True)
     finally:
-        sampler.stop.set()
-        sampler.join()
-        out["peak_rss_gib"] = sampler.peak / 2**30
-        out["peak_pss_gib"] = sampler.peak_pss / 2**30
+        out.update(sampler.finish())
         out["load_after"] = os.getloadavg()[0]
         proc.terminate()
         try:

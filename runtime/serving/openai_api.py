@@ -57,7 +57,7 @@ def check_model(ctx: Context, body: dict[str, Any]) -> None:
 STREAM_OPTIONS = frozenset({"include_usage", "continuous_usage_stats"})
 
 
-def include_usage(body: dict[str, Any], streaming: bool) -> tuple[bool, bool]:
+def usage_options(body: dict[str, Any], streaming: bool) -> tuple[bool, bool]:
     """`stream_options`: a last chunk with the usage (OpenAI's `include_usage`), and the usage so
     far in every chunk as well (vLLM's `continuous_usage_stats`, which needs `include_usage`)."""
     opts = body.get("stream_options")
@@ -207,7 +207,7 @@ async def parse(ctx: Context, body: dict[str, Any], tenant: str | None, *, chat:
             "echo",
         )
     streaming = False if body.get("stream") is None else params.boolean(body.get("stream"), "stream")
-    usage, usage_every_chunk = include_usage(body, streaming)
+    usage, usage_every_chunk = usage_options(body, streaming)
     # OpenAI's `user` names the end user: the conversation a session-affinity router keeps together.
     session = "" if body.get("user") is None else params.text(body.get("user"), "user", allow_empty=True)
     keep = False if body.get("no_stop_trim") is None else params.boolean(body["no_stop_trim"], "no_stop_trim")
