@@ -24,8 +24,9 @@ tokenizer differs), and stopped; the servers alternate A B B A (`--rounds 2`). P
 `generate` in a process of its own (one thread), whose memory is sampled the same way.
 
 A `hicache=SRC` server runs `python -m hicache serve` from the checkout at SRC (so main as found and
-this branch alternate in one run); `llama-NAME=BIN:GGUF` runs `BIN -m GGUF -t 1 -c 16384 -np 32
--kvu` (its default `-t 2` collapses on a shared 2-core machine). The load average is printed
+this branch alternate in one run), with the serve flags after a `;` if any
+(`hicache-wt=.;--hicache-write-policy write_through`); `llama-NAME=BIN:GGUF` runs `BIN -m GGUF -t 1
+-c 16384 -np 32 -kvu` (its default `-t 2` collapses on a shared 2-core machine). The load average is printed
 before and after each server's run, since the machine is shared.
 """
 
@@ -37,6 +38,7 @@ import http.client
 import json
 import os
 import random
+import shlex
 import socket
 import subprocess
 import sys
@@ -99,10 +101,12 @@ def start_server(spec: str, log: Path, dtype: str) -> tuple[subprocess.Popen, in
     name, _, where = spec.partition("=")
     port = free_port()
     if name.startswith("hicache"):
+        where, _, flags = where.partition(";")
         env = env_for(where)
         cmd = [sys.executable, "-m", "hicache", "serve", "--port", str(port), "--log-level", "warning"]
         if dtype:
             cmd += ["--dtype", dtype]
+        cmd += shlex.split(flags)
         proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=log.open("w"), text=True, env=env, cwd=where
         )
@@ -285,7 +289,7 @@ def main() -> None:
         "--server",
         action="append",
         required=True,
-        help="NAME=SRC (hicache), llama-NAME=BIN:GGUF, or transformers=float32|bfloat16",
+        help="NAME=SRC[;SERVE FLAGS] (hicache), llama-NAME=BIN:GGUF, or transformers=float32|bfloat16",
     )
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--ttft", type=int, nargs="*", default=[512, 2000])

@@ -343,6 +343,8 @@ def decode_config(args: argparse.Namespace, page_bytes: int | None = None) -> De
             l2_bytes=size_gb * 1e9 if sized else 0.0,
             page_bytes=page_bytes or 0,
         )
+    if values["write_policy"] is None:  # not given: the node's default (`NODE_WRITE_POLICY_WHY`)
+        values["write_policy"] = WritePolicy.WRITE_THROUGH if kind != "none" else WritePolicy.WRITE_BACK
     values.pop("tick_interval")  # the node's, not the core's
     values.pop("prefill_silence_s")
     return DecodeConfig(

@@ -42,6 +42,7 @@ NODE_DEFAULTS = {
     "page_size": 16,
     "transfer_retries": 6,
     "transfer_backoff_s": 0.2,
+    "write_policy": None,  # by whether an L3 is named (`test_a_node_backs_up_...`)
 }
 
 
@@ -205,8 +206,31 @@ def test_defaults_agree_across_the_core_the_scenario_and_the_flags() -> None:
 def test_a_node_with_no_flags_runs_the_cores_defaults_but_its_own() -> None:
     config = cache_flags.decode_config(parse())
     assert config == DecodeConfig(
-        l1_pages=1024, l2_pages=2048, page_size=16, transfer_retries=6, transfer_backoff_s=0.2, storage=False
+        l1_pages=1024,
+        l2_pages=2048,
+        page_size=16,
+        transfer_retries=6,
+        transfer_backoff_s=0.2,
+        storage=False,
+        write_policy="write_back",
     )
+
+
+@pytest.mark.parametrize(
+    ("flags", "policy"),
+    [
+        ((), "write_back"),  # L1 and L2 are the same host memory: each page once
+        (("--hicache-storage-backend", "memory"), "write_through"),  # on to L3 at once
+        (("--storage-dir", "/tmp/l3"), "write_through"),
+        (("--hicache-write-policy", "write_through"), "write_through"),  # given: as given
+        (("--storage-dir", "/tmp/l3", "--hicache-write-policy", "write_back"), "write_back"),
+        (("--hicache-write-policy", "write_through_selective"), "write_through_selective"),
+    ],
+)
+def test_a_node_backs_up_through_to_l2_only_when_an_l3_is_named_unless_told(
+    flags: tuple[str, ...], policy: str
+) -> None:
+    assert cache_flags.decode_config(parse(*flags)).write_policy == policy
 
 
 def test_where_another_scenario_section_states_a_setting_its_default_is_the_sections_own() -> None:

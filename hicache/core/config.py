@@ -127,6 +127,11 @@ NODE_L1_PAGES = 1024  # a runtime node's L1 when --l1-pages is not given
 # that a prefill node that restarts costs no request; scenarios keep the core's 2 immediate
 # retries (`cache.transfer_retries`, `cache.transfer_backoff_s`), as the simulator always has.
 RESTART_WHY = "a runtime node rides out a prefill node's restart"
+# A runtime node's L1 is host memory (its model computes on the CPU), the same RAM as L2: there,
+# write-through keeps every cached page twice and buys nothing that an eviction's memcpy costs,
+# unless an L3 is named, where it carries pages on to storage at once (for the prefill node that
+# reads the decode nodes' L3, and for a restart).
+NODE_WRITE_POLICY_WHY = "L1 and L2 share host memory: with no L3, write_back keeps each page once"
 
 
 @attrs.frozen(slots=True)
@@ -180,6 +185,9 @@ class DecodeConfig:
         flag="--write-policy",
         sglang=("--hicache-write-policy",),
         scenario="cache.write_policy",
+        node_default=None,
+        why_node_default=NODE_WRITE_POLICY_WHY,
+        default_text="write_through with an L3, else write_back",
     )
     storage: bool = _switch(True, help="an L3 is attached: query it, prefetch from it, store to it")
     radix: bool = _switch(True, help="keep finished sequences in the tree; false: no decode-side cache")

@@ -123,8 +123,9 @@ class DecodeService:
             store = FaultyStore(store, self.faults)
         self.gate = Gate(limits if limits is not None else Limits(), log)
         secret = secret if secret is not None else ClusterSecret.load()
-        # Past the core's pages: the decode steps' scratch pages (`Batch`), never the core's.
-        self.l1 = KVPool(layout, config.l1_pages + SCRATCH_PAGES, device=device, name="L1")
+        # Past the core's pages: the decode steps' scratch pages (`Batch`), never the core's. Host
+        # memory is held as pages are first written (lazy), as what L1 caches grows.
+        self.l1 = KVPool(layout, config.l1_pages + SCRATCH_PAGES, device=device, name="L1", lazy=True)
         self.l2 = KVPool(layout, max(config.l2_pages, 1), name="L2", lazy=True)  # filled by backups
         self.region = engine.register("L1", self.l1.bytes_view())
         self.check_pages = self.faults is not None if check_pages is None else check_pages
