@@ -162,7 +162,8 @@ async def test_the_nodes_report_the_models_logprobs_and_apply_penalties_exactly(
         streamed = await c.post("/generate", json={**body, "stream": True})
     assert got["output_ids"] == want
     meta = got["meta_info"]
-    assert meta["input_token_logprobs"] == [] and meta["input_top_logprobs"] == []
+    # SGLang's default start: the prompt's last token, whose entry is always None.
+    assert meta["input_token_logprobs"] == [[None, prompt[-1], None]] and meta["input_top_logprobs"] == [None]
     for (lp, _, text), top_got, (want_lp, want_top) in zip(
         meta["output_token_logprobs"], meta["output_top_logprobs"], want_lps, strict=True
     ):

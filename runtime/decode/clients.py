@@ -216,6 +216,11 @@ class Clients:
         verify = protocol.field(msg, "verify", bool) if msg.get("verify") is not None else False
         streaming = protocol.field(msg, "stream", bool) if msg.get("stream") is not None else False
         sampling = Sampling.from_wire(msg.get("sampling"), self.model.config.vocab)
+        if sampling.prompt_logprobs_from >= len(prompt):
+            raise protocol.MessageError(
+                f"message 'generate': field 'sampling.prompt_logprobs_from' must be below the "
+                f"prompt's {len(prompt)} tokens, got {sampling.prompt_logprobs_from}"
+            )
         if sampling.seed is None:
             sampling = attrs.evolve(sampling, seed=seed_for(rid))
         duplicate = {"op": "result", "rid": rid, "outcome": "failed", "reason": "duplicate request id"}
@@ -256,6 +261,8 @@ class Clients:
             "reason": live.reason,
             "tokens": live.gen,
             **({"logprobs": live.logprobs} if live.sampling.logprobs else {}),
+            # Streamed, they went with the first `tokens` frame.
+            **({"prompt_logprobs": live.prompt_logprobs} if live.prompt_logprobs and not streaming else {}),
             "ttft_s": live.first_token_at - live.arrival if live.first_token_at >= 0 else None,
             "e2e_s": self.feed.now() - live.arrival,
             "promised_tokens": max(live.promised, 0),
@@ -305,6 +312,8 @@ class Clients:
                     frame["logprobs"] = live.logprobs[sent:]
                 if not sent and live.account:  # where the prompt's KV came from, known at start
                     frame["account"] = live.account
+                if not sent and live.prompt_logprobs is not None:  # they came with the first token
+                    frame["prompt_logprobs"] = live.prompt_logprobs
                 sent = len(live.gen)
                 try:
                     await self.gate.send(stream, frame)

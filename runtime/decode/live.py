@@ -27,6 +27,8 @@ class Live:
     gen: list[int] = attrs.Factory(list)
     # Per generated token when its sampling asks for them: [logprob, [[id, logprob], ...]].
     logprobs: list[Any] = attrs.Factory(list)
+    # The prompt's from `sampling.prompt_logprobs_from` on (the first None), from prefill's answer.
+    prompt_logprobs: list[Any] | None = None
     kv_len: int = 0  # tokens whose KV is in the request's L1 pages
     slots: list[int] = attrs.Factory(list)  # its L1 pages while running (StartDecode + ExtendKV)
     running: bool = False

@@ -26,13 +26,14 @@ import logging
 import math
 from typing import Any
 
+import attrs
 import trio
 
 from hicache.core import commands as cmd
 from hicache.core import events as ev
 from hicache.runtime.decode.feed import Feed
 from hicache.runtime.decode.injected import FaultHooks
-from hicache.runtime.decode.live import LiveTable
+from hicache.runtime.decode.live import Live, LiveTable
 from hicache.runtime.decode.prefill_link import CONTROL_ERRORS, PrefillLink
 from hicache.runtime.kv.kv_digest import page_digest
 from hicache.runtime.kv.kv_pool import KVPool
@@ -94,7 +95,7 @@ class Transfers:
             **({"heads": self.heads} if self.heads is not None else {}),
             "tokens": live.tokens[: c.prompt_len],  # the prompt of this admission
             "namespace": live.seed,  # prefill reuses work only within one tenant's namespace
-            "sampling": live.sampling.to_wire(),  # prefill draws the first token as decode draws the rest
+            "sampling": self._sampling(live),  # prefill draws the first token as decode draws the rest
             "start": c.start,
             "end": end,
             "dst": dst,
@@ -139,7 +140,7 @@ class Transfers:
         elif not reason and end < c.end:
             reason = f"prefill sent {len(dst)} of {len(c.dst_slots)} pages (injected)"
         if not reason and reply.get("ok"):
-            reason = self._bad_reply(reply, len(dst))
+            reason = self._bad_reply(reply, len(dst)) or self._bad_scores(reply, live)
             if reason:
                 log.warning("transfer %d failed: %s", c.transfer, reason)
         if not reason:  # always: a page that is not what prefill sent is never served
@@ -164,6 +165,8 @@ class Transfers:
             live.received[c.start // page + j] = digest
         if not live.gen:
             live.add_token(int(reply["first_token"]), reply.get("first_logprob"))
+        if self._scores_wanted(live):
+            live.prompt_logprobs = reply["prompt_logprobs"]  # checked by `_bad_scores`
         self.feed.put(ev.KVArrived(self.feed.now(), c.req, c.transfer))
 
     def request_ended(self, req: str) -> None:
@@ -217,6 +220,40 @@ class Transfers:
             return (
                 "prefill's answer: field 'first_logprob' must be [logprob, [[token id, logprob], ...]], "
                 f"got {protocol.show(lp)}"
+            )
+        return ""
+
+    def _scores_wanted(self, live: Live) -> bool:
+        """Whether this transfer asks prefill for the prompt's log-probabilities: until one
+        answer has brought them (a re-admission's prompt holds output tokens too), and under TP
+        only from the rank that answers the client (the first heads')."""
+        if live.sampling.prompt_logprobs_from < 0 or live.prompt_logprobs is not None:
+            return False
+        return self.heads is None or self.heads[0] == 0
+
+    def _sampling(self, live: Live) -> dict[str, Any]:
+        """The `sampling` field of the request's `kv` message."""
+        if live.sampling.prompt_logprobs_from >= 0 and not self._scores_wanted(live):
+            return attrs.evolve(live.sampling, prompt_logprobs_from=-1).to_wire()
+        return live.sampling.to_wire()
+
+    def _bad_scores(self, reply: dict[str, Any], live: Live) -> str:
+        """Why the prompt's log-probabilities in prefill's answer cannot be used ("" if they can,
+        or if this answer owes none)."""
+        start = live.sampling.prompt_logprobs_from
+        if not self._scores_wanted(live):
+            return ""
+        want = len(live.prompt) - start
+        lps = reply.get("prompt_logprobs")
+        if not (
+            isinstance(lps, list)
+            and len(lps) == want
+            and lps[0] is None
+            and all(is_token_logprob(lp, self.vocab) for lp in lps[1:])
+        ):
+            return (
+                f"prefill's answer: field 'prompt_logprobs' must be a list of {want}: None, then "
+                f"[logprob, [[token id, logprob], ...]] each; got {protocol.show(lps)}"
             )
         return ""
 

@@ -26,7 +26,9 @@ class ContiguousKV:
         if self.past_kv is not None and self.past_len > 0:
             k = torch.cat((self.past_kv[layer, 0], k), dim=0)
             v = torch.cat((self.past_kv[layer, 1], v), dim=0)
-        queries_from = k.shape[0] - 1 if rows is not None else self.past_len
+        # `rows`: the new rows that query, a run that ends at the last one (the last alone, or
+        # every row whose logits are wanted); None: every new row.
+        queries_from = self.past_len + (int(rows[0]) if rows is not None else 0)
         return attend(q, k.to(q.dtype), v.to(q.dtype), queries_from)
 
 

@@ -243,23 +243,33 @@ class LlamaModel:
     # -- one sequence, contiguous K/V ------------------------------------------------------------
 
     def forward(
-        self, tokens: torch.Tensor, past_kv: torch.Tensor | None = None, past_len: int | None = None
+        self,
+        tokens: torch.Tensor,
+        past_kv: torch.Tensor | None = None,
+        past_len: int | None = None,
+        *,
+        rows_from: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of `n` new tokens at positions `past_len .. past_len+n-1`, and the last one's logits.
 
         The new tokens attend causally to `past_kv` (shape `(layers, 2, past_len, kv_heads,
         head_dim)`, or None for an empty past) and to themselves. `past_len` defaults to the length
         of `past_kv`; when given it must agree. Returns `kv_new` of shape `(layers, 2, n, kv_heads,
-        head_dim)` (K after RoPE, as cached) and the logits of the last new token, shape `(vocab,)`.
+        head_dim)` (K after RoPE, as cached) and the logits of the last new token, shape `(vocab,)`;
+        with `rows_from` (0 <= rows_from < n), those of new rows `rows_from ..` `(n - rows_from,
+        vocab)` (a prompt's own log-probabilities: each row's logits score the token after it).
         """
         cfg = self.config
         tokens = self._check_tokens(tokens)
         past_len = self._check_past(past_kv, past_len)
         n = tokens.shape[0]
+        if rows_from is not None and not 0 <= rows_from < n:
+            raise ValueError(f"rows_from: expected 0 <= rows_from < {n} (the new tokens), got {rows_from}")
         kv_new = torch.empty(cfg.kv_shape(n), dtype=self.kv_dtype)
         positions = torch.arange(past_len, past_len + n)
-        logits = self._run(tokens, positions, ContiguousKV(past_kv, past_len, kv_new), torch.tensor([n - 1]))
-        return kv_new, logits[0]
+        rows = torch.tensor([n - 1]) if rows_from is None else torch.arange(rows_from, n)
+        logits = self._run(tokens, positions, ContiguousKV(past_kv, past_len, kv_new), rows)
+        return kv_new, (logits[0] if rows_from is None else logits)
 
     def _check_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         if not isinstance(tokens, torch.Tensor):

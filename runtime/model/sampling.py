@@ -209,6 +209,23 @@ def logprobs(
     return out
 
 
+PROMPT_ROWS = 64  # rows of a prompt's logits turned into log-probabilities at once (float64)
+
+
+def prompt_logprobs(logits: torch.Tensor, targets: Sequence[int], params: Knobs) -> list[TokenLogprob]:
+    """Row i's log-probability of `targets[i]` (the prompt token after row i's position) and its
+    `top_logprobs` most likely tokens, as `logprobs` gives an output token's; a block of rows at
+    a time, so a long prompt never holds its whole vocabulary-wide log-softmax at once."""
+    if logits.shape[0] != len(targets):
+        raise ValueError(f"prompt_logprobs: {logits.shape[0]} rows of logits for {len(targets)} tokens")
+    out: list[TokenLogprob] = []
+    for lo in range(0, len(targets), PROMPT_ROWS):
+        hi = min(lo + PROMPT_ROWS, len(targets))
+        block = logprobs(logits[lo:hi], [params] * (hi - lo), targets[lo:hi])
+        out.extend(lp for lp in block if lp is not None)
+    return out
+
+
 def choose(
     logits: torch.Tensor,
     params: Sequence[Knobs],

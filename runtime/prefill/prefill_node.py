@@ -35,6 +35,7 @@ frame or an idle connection may take (`runtime/security/limits.py`).
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import math
 from collections import deque
@@ -358,7 +359,14 @@ class PrefillNode:
                 async def tell(note: dict) -> None:
                     await self._answer(stream, lock, peer, {"op": "progress", "tid": tid, **note})
 
+            scores_from = sampling.prompt_logprobs_from
+            if scores_from >= len(tokens):
+                raise protocol.MessageError(
+                    f"field 'sampling.prompt_logprobs_from' must be below the prompt's {len(tokens)} "
+                    f"tokens, got {scores_from}"
+                )
             prompt = Prompt(f"{peer}/{tid}", np.asarray(tokens, dtype=np.int64), first_page, last_page)
+            prompt.scores_from, prompt.sampling = scores_from, sampling
             make_out = functools.partial(self._kv_out, peer, dst, f"kv:{tid}".encode(), heads)
             done, digests = await self.steps.compute(prompt, namespace, make_out, tell)
             computed = len(tokens) - done.cached
@@ -376,6 +384,18 @@ class PrefillNode:
             reply.update(ok=True, first_token=first_token, digests=digests, cached=cached)
             if first_logprob is not None:
                 reply["first_logprob"] = [first_logprob[0], [list(p) for p in first_logprob[1]]]
+            if scores_from >= 0:
+                scores = [
+                    None if lp is None else [lp[0], [list(p) for p in lp[1]]] for lp in prompt.prompt_scores()
+                ]
+                size = len(json.dumps(scores, separators=(",", ":")))
+                if size > MAX_SCORES_JSON:  # the answer (and the decode node's frame) must fit
+                    raise protocol.MessageError(
+                        f"the prompt's log-probabilities from token {scores_from} on take {size} bytes, "
+                        f"over the {MAX_SCORES_JSON} one answer may carry: ask for fewer tokens "
+                        "(a later logprob_start_len) or fewer top log-probabilities"
+                    )
+                reply["prompt_logprobs"] = scores
         except (protocol.MessageError, Refused) as exc:  # the same message is refused again: no retry
             reply.update(ok=False, refused=True, reason=str(exc))
         except Exception as exc:  # answered, not raised: the decode node retries or fails the request
@@ -408,6 +428,9 @@ class PrefillNode:
             self.layout.layers,
             self.transfer_timeout,
         )
+
+
+MAX_SCORES_JSON = protocol.MAX_JSON // 2  # a prompt's log-probabilities in one answer, as JSON
 
 
 def plain(exc: BaseException) -> str:

@@ -21,6 +21,8 @@ the full pages it did compute stay in the cache, so a retry resumes from there.
 
 Prompts the cache cannot hold (too large for its L1, or L1 held by other running prompts) are
 computed in chunks the same way into a contiguous KV tensor of their own, and sent when done.
+So is a prompt that asks for its own tokens' log-probabilities (`Sampling.prompt_logprobs_from`):
+every position from there on must be computed, with logits at every row, not the last alone.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import trio
 from hicache.core.prefill_sched import Chunk, Phase, PrefillScheduler
 from hicache.runtime.model.kv_pages import to_pages
 from hicache.runtime.model.llama import LlamaModel
+from hicache.runtime.model.sampling import Knobs, TokenLogprob, prompt_logprobs
 from hicache.runtime.prefill.kv_out import KVOut
 from hicache.runtime.prefill.prefill_cache import CachedWork, LayerGroups, PrefillCache, Prefilled
 
@@ -61,6 +64,15 @@ class Prompt:
     error: BaseException | None = None
     streamed: bool = False  # its pages leave as chunks compute them
     changed: trio.Event = attrs.Factory(trio.Event)
+    # Its own tokens' log-probabilities from this position on (-1: none), with this sampling's
+    # `top_logprobs`; `scores` gathers them chunk by chunk (`prompt_scores` shapes them).
+    scores_from: int = -1
+    sampling: Knobs | None = None
+    scores: list[TokenLogprob] = attrs.Factory(list)
+
+    def prompt_scores(self) -> list[TokenLogprob | None]:
+        """SGLang's input log-probabilities: one per token from `scores_from`, the first None."""
+        return [None, *self.scores]
 
     def notify(self) -> None:
         self.changed.set()
@@ -175,7 +187,19 @@ class Stepper:
             return self.cache.forward_sync(p.work, c.lo, c.hi, self._hook(p, c))
         assert p.plain is not None
         past = p.plain[:, :, : c.lo] if c.lo else None
-        kv, logits = self.model.forward(torch.from_numpy(p.ids[c.lo : c.hi].copy()), past)
+        # Rows from `scores_from` on score the token after them: their logits are all wanted.
+        first = max(p.scores_from, c.lo) if p.scores_from >= 0 else c.hi
+        tokens = torch.from_numpy(p.ids[c.lo : c.hi].copy())
+        if first >= c.hi:
+            kv, logits = self.model.forward(tokens, past)
+        else:
+            assert p.sampling is not None
+            kv, rows = self.model.forward(tokens, past, rows_from=first - c.lo)
+            scored = min(c.hi, len(p.ids) - 1) - first  # the last prompt row scores no prompt token
+            p.scores += prompt_logprobs(
+                rows[:scored], p.ids[first + 1 : first + 1 + scored].tolist(), p.sampling
+            )
+            logits = rows[-1]
         p.plain[:, :, c.lo : c.hi] = kv
         return logits
 
@@ -269,7 +293,7 @@ class Stepper:
     async def _open(self, p: Prompt, namespace: int) -> None:
         """The prompt's pages in the cache (what it holds is not computed), or a KV of its own."""
         n = len(p.ids)
-        if self.cache is not None:
+        if self.cache is not None and p.scores_from < 0:
             p.work = await self.cache.open(p.ids, namespace)
         if p.work is not None:
             p.start = p.work.start

@@ -62,6 +62,9 @@ class Tokens:
     # When the request's sampling asks for them, one per id: [logprob, [[id, logprob], ...]]
     # (the chosen token's log-probability and the most likely tokens', best first).
     logprobs: Sequence[Any] | None = None
+    # When the sampling asks for them (`prompt_logprobs_from`), with the first token: one per
+    # prompt token from there on, the first None, the others as `logprobs`.
+    prompt_logprobs: Sequence[Any] | None = None
 
 
 @attrs.frozen

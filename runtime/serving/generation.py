@@ -49,6 +49,9 @@ class Job:
     stop: tuple[str, ...] = ()
     public_id: str | None = None
     no_stop_trim: bool = False  # SGLang's: keep the matched stop string or stop token in the text
+    # SGLang's `meta_info.input_token_logprobs` start here (-1: none); the node computes those
+    # past the first (`sampling.prompt_logprobs_from`), which is always None.
+    input_logprobs_from: int = -1
 
 
 @attrs.frozen
@@ -112,6 +115,8 @@ class Generation:
         self.started = time.monotonic() if arrived is None else arrived
         self.output_ids: list[int] = []
         self.logprobs: list[Any] = []  # per output id when the sampling asks for them (else empty)
+        # Per prompt token from `prompt_logprobs_from` when asked for (`prompt_scores`).
+        self.prompt_logprobs: list[Any] = []
         self.prompt_tokens = len(job.request.input_ids)
         self.cached: dict[str, int] = dict.fromkeys(TIERS, 0)
         self.ttft_s: float | None = None
@@ -214,6 +219,8 @@ class Generation:
         self._last_token_at = now
         if event.cached_tokens is not None:
             self._set_cached(event.cached_tokens)
+        if event.prompt_logprobs is not None and not self.prompt_logprobs:
+            self.prompt_logprobs = list(event.prompt_logprobs)
         self.output_ids.extend(event.ids)
         if self.job.request.sampling.logprobs:
             lps = list(event.logprobs or ())
@@ -249,6 +256,16 @@ class Generation:
     def _set_cached(self, cached: Mapping[str, int]) -> None:
         for tier in TIERS:
             self.cached[tier] = _count(cached.get(tier, 0))
+
+    def prompt_scores(self) -> list[Any]:
+        """The prompt's log-probabilities from `prompt_logprobs_from` on (the first None), one per
+        token; None for any the backend did not bring. Empty when not asked for."""
+        start = self.job.request.sampling.prompt_logprobs_from
+        if start < 0:
+            return []
+        n = len(self.job.request.input_ids) - start
+        got = self.prompt_logprobs[:n]
+        return got + [None] * (n - len(got))
 
     def error(self) -> ApiError:
         """What a failed generation answers: a 400 when the backend refused the request as it

@@ -61,16 +61,31 @@ class CompletionLogprobs:
         self.texts = texts
         self.offset = offset
 
-    def take(self, ids: Sequence[int], lps: Sequence[Any]) -> dict[str, Any]:
+    def take(self, ids: Sequence[int], lps: Sequence[Any], *, prompt: bool = False) -> dict[str, Any]:
+        """These tokens' entries; `prompt` ones (`echo`) from offset 0, a token with no
+        log-probability (the prompt's first) None in both lists, as vLLM gives it; the output's
+        then start at the echoed text's end."""
         out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        end = self.offset
+        if prompt:
+            self.offset = 0
         for token, lp in zip(ids, lps, strict=False):
-            logprob, top = _parts(lp)
             text = self.texts(token)
             out["tokens"].append(text)
-            out["token_logprobs"].append(logprob)
-            out["top_logprobs"].append({self.texts(t): v for t, v in top})
+            if prompt and lp is None:
+                out["token_logprobs"].append(None)
+                out["top_logprobs"].append(None)
+            else:
+                logprob, top = _parts(lp)
+                out["token_logprobs"].append(logprob)
+                tops: dict[str, float] = {}
+                for t, v in top:  # tokens that read alike share a key: the likelier one's
+                    tops.setdefault(self.texts(t), v)
+                out["top_logprobs"].append(tops)
             out["text_offset"].append(self.offset)
             self.offset += len(text)
+        if prompt:
+            self.offset = end
         return out
 
 
@@ -83,5 +98,25 @@ def sglang(
     for token, lp in zip(ids, lps, strict=False):
         logprob, top = _parts(lp)
         chosen.append([logprob, token, texts(token) if with_text else None])
+        tops.append([[v, t, texts(t) if with_text else None] for t, v in top])
+    return chosen, tops
+
+
+def sglang_input(
+    texts: TokenTexts, ids: Sequence[int], lps: Sequence[Any], with_text: bool
+) -> tuple[list[list[Any]], list[list[list[Any]] | None]]:
+    """SGLang's `meta_info.input_token_logprobs` and `input_top_logprobs` for prompt tokens
+    `ids`: as the output's, but a token with no log-probability (the first, where the scoring
+    starts) is `[None, id, text]` with `None` for its top tokens."""
+    chosen: list[list[Any]] = []
+    tops: list[list[list[Any]] | None] = []
+    for token, lp in zip(ids, lps, strict=True):
+        text = texts(token) if with_text else None
+        if lp is None:
+            chosen.append([None, token, text])
+            tops.append(None)
+            continue
+        logprob, top = _parts(lp)
+        chosen.append([logprob, token, text])
         tops.append([[v, t, texts(t) if with_text else None] for t, v in top])
     return chosen, tops

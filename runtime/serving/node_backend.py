@@ -75,12 +75,14 @@ class NodeBackend:
                     cached = {t: int(account.get(t, 0)) for t in TIERS} if isinstance(account, dict) else None
                     ids = list(frame["tokens"])
                     sent += len(ids)
-                    yield Tokens(ids, cached_tokens=cached, logprobs=_logprobs(frame, 0, len(ids)))
+                    lps = _logprobs(frame, 0, len(ids))
+                    yield Tokens(ids, cached_tokens=cached, logprobs=lps, prompt_logprobs=_scores(frame))
                 elif frame["op"] == "result":
                     ended = True
                     rest = list(frame.get("tokens") or [])[sent:]  # made after the last frame went
                     if rest:
-                        yield Tokens(rest, logprobs=_logprobs(frame, sent, len(rest)))
+                        lps = _logprobs(frame, sent, len(rest))
+                        yield Tokens(rest, logprobs=lps, prompt_logprobs=_scores(frame))
                     yield _finished(frame, len(req.input_ids))
                     return
         except protocol.ProtocolError as exc:
@@ -148,6 +150,12 @@ def _logprobs(frame: dict[str, Any], start: int, n: int) -> list[Any] | None:
     if not isinstance(lps, list) or len(lps) < start + n:
         return None
     return lps[start : start + n]
+
+
+def _scores(frame: dict[str, Any]) -> list[Any] | None:
+    """A frame's prompt log-probabilities (the decode node checked prefill's), None if none."""
+    lps = frame.get("prompt_logprobs")
+    return lps if isinstance(lps, list) else None
 
 
 def _total(value: object) -> int | None:

@@ -200,12 +200,8 @@ async def parse(ctx: Context, body: dict[str, Any], tenant: str | None, *, chat:
     )
     spec, logprobs = _logprobs(body, s.spec, chat)
     echo = not chat and body.get("echo") is not None and params.boolean(body.get("echo"), "echo")
-    if echo and logprobs:
-        raise bad_request(
-            "'echo' with 'logprobs' is not supported: the prompt tokens' log-probabilities are not "
-            "computed (prefill reuses cached KV and keeps only the last position's logits)",
-            "echo",
-        )
+    # With `echo`, the log-probabilities cover the prompt too, its first token's None (vLLM's).
+    scored = echo and logprobs
     streaming = False if body.get("stream") is None else params.boolean(body.get("stream"), "stream")
     usage, usage_every_chunk = usage_options(body, streaming)
     # OpenAI's `user` names the end user: the conversation a session-affinity router keeps together.
@@ -224,10 +220,12 @@ async def parse(ctx: Context, body: dict[str, Any], tenant: str | None, *, chat:
             # Choices of one prompt must differ: a client's seed gives the first, and seeds
             # derived from it the others (None: each from its own request id, at the node).
             seed = spec.seed if j == 0 or spec.seed is None else seed_for(f"{spec.seed}:{j}")
-            req = GenerateRequest(
-                ctx.new_rid(), input_ids, max_new, attrs.evolve(spec, seed=seed), tenant, session
-            )
-            jobs.append(Job("chat" if chat else "completions", req, s.stop, no_stop_trim=keep))
+            # The first token's is None: only a longer prompt asks the node for any.
+            start = 0 if scored and len(input_ids) > 1 else -1
+            choice = attrs.evolve(spec, seed=seed, prompt_logprobs_from=start)
+            req = GenerateRequest(ctx.new_rid(), input_ids, max_new, choice, tenant, session)
+            api = "chat" if chat else "completions"
+            jobs.append(Job(api, req, s.stop, no_stop_trim=keep, input_logprobs_from=0 if scored else -1))
             echoes.append(text if echo else "")
             counts.append(j == 0)
     return Plan(chat, jobs, echoes, counts, streaming, usage, logprobs, usage_every_chunk)

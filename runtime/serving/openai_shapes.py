@@ -44,6 +44,12 @@ class _Choice:
     echo: str
     legacy: CompletionLogprobs | None  # completions with logprobs: its running text offset
     sent: int = 0  # output tokens whose logprobs a chunk carried
+    echo_due: bool = True  # its echo (with the prompt's log-probabilities, if asked) not yet sent
+
+    @property
+    def scored(self) -> bool:
+        """Whether its log-probabilities start with the prompt's (`echo` with `logprobs`)."""
+        return self.legacy is not None and self.gen.job.input_logprobs_from >= 0
 
 
 class Shapes:
@@ -72,8 +78,18 @@ class Shapes:
         ids, lps = c.gen.output_ids[c.sent :], c.gen.logprobs[c.sent :]
         c.sent = len(c.gen.output_ids)
         if c.legacy is not None:
-            return c.legacy.take(ids, lps)
+            out = c.legacy.take(ids, lps)
+            if c.scored and c.echo_due:  # the whole answer: the prompt's first
+                prompt = self._prompt_logprobs(c)
+                out = {key: prompt[key] + out[key] for key in out}
+            return out
         return {"content": chat_content(self.texts, ids, lps), "refusal": None}
+
+    def _prompt_logprobs(self, c: _Choice) -> dict[str, Any]:
+        """The echoed prompt's log-probabilities (`echo` with `logprobs`), once."""
+        assert c.legacy is not None
+        c.echo_due = False
+        return c.legacy.take(c.gen.job.request.input_ids, c.gen.prompt_scores(), prompt=True)
 
     def whole(self) -> dict[str, Any]:
         out = []
@@ -88,7 +104,13 @@ class Shapes:
         return head | {"choices": out, "usage": self.usage()}
 
     def chunk(
-        self, c: _Choice, piece: str | None, finish: str | None = None, *, role: bool = False
+        self,
+        c: _Choice,
+        piece: str | None,
+        finish: str | None = None,
+        *,
+        role: bool = False,
+        echo: bool = False,
     ) -> dict[str, Any]:
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
@@ -98,7 +120,10 @@ class Shapes:
         else:
             choice = {"index": c.index, "text": piece or ""}
         logprobs = None
-        if not role and self.plan.logprobs and (c.gen.output_ids[c.sent :] or finish is not None):
+        if echo:  # the echo's chunk: the prompt's log-probabilities where asked for, no output's
+            c.echo_due = False
+            logprobs = self._prompt_logprobs(c) if c.scored else None
+        elif not role and self.plan.logprobs and (c.gen.output_ids[c.sent :] or finish is not None):
             logprobs = self._logprobs(c)
         choice |= {"logprobs": logprobs, "finish_reason": finish}
         out = self._head("chat.completion.chunk" if self.chat else "text_completion") | {"choices": [choice]}
@@ -138,11 +163,13 @@ class Shapes:
             for c in self.choices:
                 if self.chat:
                     yield event(self.chunk(c, None, role=True))
-                elif c.echo:
-                    yield event(self.chunk(c, c.echo))
+                elif c.echo and not c.scored:  # else once the prompt's log-probabilities are here
+                    yield event(self.chunk(c, c.echo, echo=True))
             left = len(self.choices)
             async for i, piece in receive:
                 c = self.choices[i]
+                if c.scored and c.echo_due and not c.gen.failed:  # they came with the first token
+                    yield event(self.chunk(c, c.echo, echo=True))
                 if piece is None:  # the choice ended
                     if c.gen.failed:  # OpenAI's clients raise on an `error` object in a stream
                         yield b"data: " + dumps(c.gen.error().body()).encode("ascii") + b"\n\n"

@@ -7,6 +7,7 @@ from collections.abc import AsyncGenerator, Sequence
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
+import attrs
 import trio
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
@@ -119,17 +120,19 @@ def _job(
     max_new = params.settle_max_new_tokens(
         len(input_ids), s.max_new_tokens, DEFAULT_MAX_NEW_TOKENS, ctx.info.max_context_tokens, "text" + where
     )
-    spec = logprob_spec(body, s.spec, len(input_ids))
+    spec, start = logprob_spec(body, s.spec, len(input_ids))
     req = GenerateRequest(ctx.new_rid(), input_ids, max_new, spec, tenant, session)
-    return Job("generate", req, s.stop, params.request_id(rid, "rid" + where), no_stop_trim=keep)
+    public = params.request_id(rid, "rid" + where)
+    return Job("generate", req, s.stop, public, no_stop_trim=keep, input_logprobs_from=start)
 
 
-def logprob_spec(body: dict[str, Any], spec: Sampling, prompt_len: int) -> Sampling:
+def logprob_spec(body: dict[str, Any], spec: Sampling, prompt_len: int) -> tuple[Sampling, int]:
     """SGLang's `return_logprob`, `top_logprobs_num`, `logprob_start_len` and
-    `return_text_in_logprobs`, checked, into `spec`. The prompt tokens' log-probabilities are not
-    computed (prefill reuses cached KV and keeps only the last position's logits), so a
-    `logprob_start_len` inside the prompt is refused by name; -1 (SGLang's default) and any
-    start at or past the prompt's end give output tokens' log-probabilities only."""
+    `return_text_in_logprobs`, checked, into `spec`; and where `input_token_logprobs` start (-1:
+    none). As SGLang, -1 (its default) starts at the prompt's last token, and the first entry is
+    always None (no log-probability is computed for it), so only a start below the prompt's last
+    token asks the node for anything (`prompt_logprobs_from`: computed by prefill over the whole
+    prompt, its cache not used). A start past the prompt gives none."""
     asked = body.get("return_logprob") is not None and params.boolean(
         body["return_logprob"], "return_logprob"
     )
@@ -140,15 +143,15 @@ def logprob_spec(body: dict[str, Any], spec: Sampling, prompt_len: int) -> Sampl
     if body.get("return_text_in_logprobs") is not None:
         params.boolean(body["return_text_in_logprobs"], "return_text_in_logprobs")
     if not asked:
-        return spec
-    if 0 <= start < prompt_len:
-        raise bad_request(
-            f"'logprob_start_len' = {start} asks for prompt tokens' log-probabilities, which are not "
-            f"computed here; use -1 or at least the prompt's length ({prompt_len})",
-            "logprob_start_len",
-        )
+        return spec, -1
     names = {"logprobs": "return_logprob", "top_logprobs": "top_logprobs_num"}
-    return params.with_logprobs(spec, True, top, names)
+    spec = params.with_logprobs(spec, True, top, names)
+    start = prompt_len - 1 if start == -1 else start
+    if start >= prompt_len:
+        return spec, -1
+    if start < prompt_len - 1:
+        spec = attrs.evolve(spec, prompt_logprobs_from=start)
+    return spec, start
 
 
 def session_id(body: dict[str, Any]) -> str:
@@ -199,12 +202,13 @@ def logprob_info(gen: Generation, texts: TokenTexts, with_text: bool) -> dict[st
     if not spec.logprobs:
         return {}
     chosen, top = logprob_shapes.sglang(texts, gen.output_ids, gen.logprobs, with_text)
-    out: dict[str, Any] = {
-        "input_token_logprobs": [],  # not computed: see `logprob_spec`
-        "output_token_logprobs": chosen,
-    }
+    start = gen.job.input_logprobs_from
+    ids = gen.job.request.input_ids[start:] if start >= 0 else []
+    scores = gen.prompt_scores() if spec.prompt_logprobs_from >= 0 else [None] * len(ids)
+    chosen_in, top_in = logprob_shapes.sglang_input(texts, ids, scores, with_text)
+    out: dict[str, Any] = {"input_token_logprobs": chosen_in, "output_token_logprobs": chosen}
     if spec.top_logprobs:
-        out["input_top_logprobs"] = []
+        out["input_top_logprobs"] = top_in
         out["output_top_logprobs"] = top
     return out
 

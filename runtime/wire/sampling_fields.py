@@ -12,8 +12,9 @@ and `ignore_eos` keeps the model's own end-of-sequence tokens from doing so. The
 adjusted first by `repetition_penalty` (SGLang's and Hugging Face's: over prompt and output),
 `frequency_penalty` and `presence_penalty` (OpenAI's: over the output) and `logit_bias`.
 `logprobs` asks for each chosen token's log-probability and `top_logprobs` for that many of
-the most likely alternatives. No torch here: the front door imports this module and runs
-without it.
+the most likely alternatives; `prompt_logprobs_from` asks for the same of the prompt's tokens
+from that position on (SGLang's `logprob_start_len`, OpenAI's `echo` from 0). No torch here:
+the front door imports this module and runs without it.
 """
 
 from __future__ import annotations
@@ -118,6 +119,10 @@ class Sampling:
     logit_bias: tuple[tuple[int, float], ...] = attrs.field(default=(), converter=_as_bias)
     logprobs: bool = False
     top_logprobs: int = attrs.field(default=0, converter=_as_int)
+    # -1: none. Else the prompt's tokens from this position on, as SGLang gives them: the first
+    # has none (it is where the scoring starts), each later one its log-probability given the
+    # tokens before it, with `top_logprobs` alternatives.
+    prompt_logprobs_from: int = attrs.field(default=-1, converter=_as_int)
 
     @property
     def penalized(self) -> bool:
@@ -174,6 +179,11 @@ class Sampling:
             raise SamplingError("top_logprobs", f"an integer in 0..{MAX_TOP_LOGPROBS}", n)
         if n and not self.logprobs:
             raise SamplingError("top_logprobs", "0 unless logprobs is true", n)
+        start = self.prompt_logprobs_from
+        if not _is_int(start) or not -1 <= start < 2**31:
+            raise SamplingError("prompt_logprobs_from", "an integer in -1..2**31-1 (-1: none)", start)
+        if start >= 0 and not self.logprobs:
+            raise SamplingError("prompt_logprobs_from", "-1 unless logprobs is true", start)
         return self
 
     def _check_bias(self, top: float) -> None:
