@@ -208,12 +208,14 @@ def test_sigterm_tells_a_stream_in_flight_before_the_front_door_exits(stack: Sta
             "stream": True,
         }
         data: list[str] = []
+        signalled = False
         with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120) as response:
             for line in response.iter_lines():
                 if line.startswith("data: "):
                     data.append(line[6:])
-                if len(data) == 3:
-                    front.proc.send_signal(signal.SIGTERM)
+                if len(data) == 3 and not signalled:
+                    front.proc.send_signal(signal.SIGTERM)  # once: blank lines follow each event
+                    signalled = True
         assert front.proc.wait(60) == 0
     assert data[-1] == "[DONE]", data[-3:]
     assert "shutting down" in json.loads(data[-2])["error"]["message"], data[-2]
