@@ -1,7 +1,8 @@
 """The `openai` package and `langchain-openai`, unmodified and each in a virtualenv of its own,
 against `hicache serve`: `n` choices, `logprobs`/`top_logprobs`, `echo`, lists of prompts,
-penalties, `logit_bias`, `min_p`, tools refused by name where the template has none, and
-SGLang's `return_logprob`. A handful of short requests; prints what each client saw.
+penalties, `logit_bias`, `min_p`, tools refused by name where the template has none, `echo`
+with `logprobs`, and SGLang's `return_logprob` from `logprob_start_len` 0. A handful of short
+requests; prints what each client saw.
 
     .venv/bin/python bench/openai_features.py [--url http://127.0.0.1:8000]
 """
@@ -88,8 +89,6 @@ for name, call in {
         {"role": "assistant", "content": None, "tool_calls": [
             {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
         {"role": "tool", "tool_call_id": "c", "content": "x"}]),
-    "echo+logprobs": lambda: client.completions.create(
-        model=model, prompt="x", max_tokens=1, echo=True, logprobs=1),
 }.items():
     try:
         call()
@@ -97,10 +96,18 @@ for name, call in {
     except openai.BadRequestError as exc:
         refusals[name] = f"{exc.status_code} param={exc.body.get('param')}: {exc.body.get('message')}"
 out["refusals"] = refusals
+r = client.completions.create(
+    model=model, prompt="The sky is", max_tokens=2, temperature=0, echo=True, logprobs=1
+)
+lp = r.choices[0].logprobs
+out["echo_logprobs"] = {"text": r.choices[0].text, "tokens": lp.tokens,
+                        "token_logprobs": [None if x is None else round(x, 4) for x in lp.token_logprobs],
+                        "top_logprobs": lp.top_logprobs, "text_offset": lp.text_offset}
 body = {"text": "The sky is", "sampling_params": {"max_new_tokens": 3, "temperature": 0},
-        "return_logprob": True, "top_logprobs_num": 2, "return_text_in_logprobs": True}
+        "return_logprob": True, "top_logprobs_num": 2, "return_text_in_logprobs": True,
+        "logprob_start_len": 0}
 meta = generate(body)["meta_info"]
-keys = ("output_token_logprobs", "output_top_logprobs", "input_token_logprobs")
+keys = ("output_token_logprobs", "output_top_logprobs", "input_token_logprobs", "input_top_logprobs")
 out["sglang_return_logprob"] = {k: meta[k] for k in keys}
 print(json.dumps(out))
 """

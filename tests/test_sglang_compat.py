@@ -130,6 +130,8 @@ async def test_every_sglang_series_has_sglangs_name_type_label_and_buckets() -> 
     assert value("sglang:num_queue_reqs") == 1  # nothing queued at the front door, one at the node
     assert value("sglang:cache_config_info", page_size="16", num_pages="128") == 1
     assert value("sglang:num_retracted_requests") == 1
+    # AIPerf (0.13) reads preemptions from the older counter name `sglang:num_retracted_reqs_total`.
+    assert value("sglang:num_retracted_reqs") == 1 and families["sglang:num_retracted_reqs"].type == "counter"
     # the node's cumulative stats are counters, its levels gauges
     assert families["hicache_backend_arrived"].type == "counter"
     assert families["hicache_backend_transfer_bytes"].type == "counter"

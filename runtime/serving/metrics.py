@@ -102,15 +102,10 @@ class _ScrapeFamilies:
         )
         yield _one(info, [f"{page:g}", f"{pages:g}"], 1.0)
         if "retracted" in s:
-            yield _one(
-                CounterMetricFamily(
-                    "sglang:num_retracted_requests",
-                    "Total number of retracted requests.",
-                    labels=[MODEL_LABEL],
-                ),
-                [m.model],
-                s["retracted"],
-            )
+            # SGLang's current name, and the older one AIPerf reads its preemptions from.
+            for name in ("sglang:num_retracted_requests", "sglang:num_retracted_reqs"):
+                doc = "Total number of retracted requests."
+                yield _one(CounterMetricFamily(name, doc, labels=[MODEL_LABEL]), [m.model], s["retracted"])
 
     def _admission(self) -> Iterator[Metric]:
         a = self.admission
