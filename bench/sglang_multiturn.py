@@ -3,16 +3,19 @@
 question to their history, and call `/flush_cache` before each of its 13 request rates (16 down
 to 1 per second). Prints its summaries, and the server's own cache hit rate from `/metrics`.
 
-SGLang's wheels do not carry `benchmark/`: give the script's path (`--script`). The one known
-intact here (SGLang commit 1d651e28) imports `sglang.bench_serving` from a release whose
+SGLang's wheels do not carry `benchmark/`: give the script's path (`--script`). An older copy
+(SGLang commit 1d651e28) imports `sglang.bench_serving` from a release whose
 `sample_random_requests` still returns tuples: sglang 0.4.0, installed without its server's
-dependencies into a virtualenv of its own (`bench/.venvs/sglang-0.4`). Its tokenizer is the
-default model's, saved from the GGUF by transformers; its prompts come from a local file in
-ShareGPT's shape made from this project's documentation (the script otherwise downloads
-ShareGPT).
+dependencies into a virtualenv of its own (`bench/.venvs/sglang-0.4`, the default `--python`).
+The current one (with its own cache-hit figure, `--api-format sglang|openai`) needs a current
+sglang, whose client imports most of its server and a CUDA build of torch (6 GB): make that
+virtualenv by hand and pass its python (BENCHMARKS.md says how). The tokenizer is the default
+model's, saved from the GGUF by transformers; the prompts come from a local file in ShareGPT's
+shape made from this project's documentation (the script otherwise downloads ShareGPT).
 
-    .venv/bin/python bench/sglang_multiturn.py --script PATH/bench_multiturn.py \
-        [--num-clients 4 --num-rounds 3 --request-length 128 --output-length 16] [--url URL]
+    .venv/bin/python bench/sglang_multiturn.py --script PATH/bench_multiturn.py [--python PY] \
+        [--num-clients 4 --num-rounds 3 --request-length 128 --output-length 16] [--url URL] \
+        [-- MORE SCRIPT FLAGS]
 """
 
 from __future__ import annotations
@@ -81,8 +84,10 @@ def main() -> None:
     ap.add_argument("--num-rounds", type=int, default=3)
     ap.add_argument("--request-length", type=int, default=128)
     ap.add_argument("--output-length", type=int, default=16)
+    ap.add_argument("--python", type=Path, default=None, help="the client's python (default: sglang 0.4.0's)")
+    ap.add_argument("more", nargs="*", help="more flags for the script, after --")
     args = ap.parse_args()
-    python = client_python()
+    python = args.python or client_python()
     with tempfile.TemporaryDirectory() as tmp_name, contextlib.ExitStack() as stack:
         tmp = Path(tmp_name)
         url = args.url
@@ -95,17 +100,18 @@ def main() -> None:
         cmd += ["--dataset-path", str(sharegpt_file(tmp / "sharegpt.json")), "--log-file", str(log)]
         cmd += ["--num-clients", str(args.num_clients), "--max-parallel", str(args.num_clients)]
         cmd += ["--num-rounds", str(args.num_rounds), "--request-length", str(args.request_length)]
-        cmd += ["--output-length", str(args.output_length)]
+        cmd += ["--output-length", str(args.output_length), *args.more]
         done = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp)
         if done.returncode != 0:
             raise SystemExit(f"bench_multiturn.py failed:\n{done.stderr[-3000:]}")
-        print("rate  requests  TTFT mean / median / p90 s  latency mean s  requests/s")
+        print("rate  requests  TTFT mean / median / p90 s  latency mean s  requests/s  its hit rate")
         for line in log.read_text().splitlines():
             s = json.loads(line)["summary"]
+            hit = f"{s['cache_hit_rate']:.4f}" if "cache_hit_rate" in s else "-"  # the current script's
             print(
                 f"{s['request_rate']:>4}  {s['total_requests']:>8}  {s['average_ttft']:.2f} / "
                 f"{s['median_ttft']:.2f} / {s['p90_ttft']:.2f}  {s['average_latency']:.2f}  "
-                f"{s['throughput']:.2f}"
+                f"{s['throughput']:.2f}  {hit}"
             )
         metrics = urllib.request.urlopen(url + "/metrics").read().decode()
         for name in ("sglang:num_requests_total", "sglang:cache_hit_rate"):

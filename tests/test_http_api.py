@@ -914,3 +914,27 @@ def test_stop_strings_cut_before_the_first_match_and_never_take_text_back(
             and s.matched is not None
             and text.find(s.matched, len(expected)) == len(expected)
         )
+
+
+async def test_sglang_generate_takes_stream_options_as_sglangs_own_multiturn_kit_sends_them() -> None:
+    """SGLang's cache-hit kit (`sglang.test.kits.cache_hit_kit.gen_payload`) posts OpenAI's
+    `stream_options` to /generate: accepted when well formed (each chunk's meta_info has the
+    usage), refused by name otherwise."""
+    payload = {
+        "input_ids": CODEC.encode("abcdef"),
+        "sampling_params": {"temperature": 0.0, "max_new_tokens": 3, "ignore_eos": True},
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "lora_path": "",
+        "return_logprob": False,
+        "logprob_start_len": -1,
+    }
+    async with live() as (url, _), httpx2.AsyncClient(base_url=url) as c:
+        ok = await c.post("/generate", json=payload)
+        bad = await c.post("/generate", json={**payload, "stream_options": {"include_usgae": True}})
+        unstreamed = await c.post("/generate", json={**payload, "stream": False})
+    lines = [json.loads(x.removeprefix("data: ")) for x in ok.text.split("\n\n") if x.startswith("data: {")]
+    assert ok.status_code == 200 and lines[-1]["meta_info"]["completion_tokens"] == 3
+    assert lines[-1]["meta_info"]["prompt_tokens"] == 6
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "stream_options.include_usgae"
+    assert unstreamed.status_code == 400 and unstreamed.json()["error"]["param"] == "stream_options"

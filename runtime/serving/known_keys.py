@@ -28,7 +28,7 @@ GENERATE = frozenset(
         "lora_path", "lora_id", "custom_logit_processor", "bootstrap_host", "bootstrap_port",
         "bootstrap_room", "bootstrap_pair_key", "data_parallel_rank", "background",
         "conversation_id", "priority", "extra_key", "no_logs", "custom_labels", "return_bytes",
-        "return_entropy", "routing_key",
+        "return_entropy", "routing_key", "stream_options",
     }
 )  # fmt: skip
 

@@ -28,6 +28,7 @@ from hicache.runtime.serving.errors import JSON, bad_request, show, unavailable
 from hicache.runtime.serving.generation import Generation, Job, aclose_shielded
 from hicache.runtime.serving.logprob_shapes import TokenTexts
 from hicache.runtime.serving.metrics import CACHE_SOURCES
+from hicache.runtime.serving.openai_api import usage_options
 from hicache.runtime.serving.params import Unsupported
 from hicache.runtime.serving.sse import DONE, EventStream, event
 from hicache.runtime.wire.sampling_fields import MAX_TOP_LOGPROBS
@@ -72,6 +73,9 @@ async def parse_generate(
     if not prompts:
         raise bad_request("the batch is empty", "text" if text is not None else "input_ids")
     stream = False if body.get("stream") is None else params.boolean(body.get("stream"), "stream")
+    # SGLang's own multi-turn kit sends OpenAI's `stream_options` here too; every chunk's
+    # meta_info already carries the usage so far, so a well-formed one changes nothing.
+    usage_options(body, stream)
     raws = (
         _per_prompt(body.get("sampling_params"), len(prompts), "sampling_params")
         if batch
