@@ -240,10 +240,9 @@ class Transfers:
     def _bad_scores(self, reply: dict[str, Any], live: Live) -> str:
         """Why the prompt's log-probabilities in prefill's answer cannot be used ("" if they can,
         or if this answer owes none)."""
-        start = live.sampling.prompt_logprobs_from
         if not self._scores_wanted(live):
             return ""
-        want = len(live.prompt) - start
+        want = len(live.prompt) - live.sampling.prompt_logprobs_from
         lps = reply.get("prompt_logprobs")
         if not (
             isinstance(lps, list)

@@ -90,29 +90,17 @@ class CompletionLogprobs:
 
 
 def sglang(
-    texts: TokenTexts, ids: Sequence[int], lps: Sequence[Any], with_text: bool
-) -> tuple[list[list[Any]], list[list[list[Any]]]]:
-    """SGLang's `meta_info.output_token_logprobs` and `output_top_logprobs`: [logprob, token id,
-    text or None] per token, and per token a list of those for the most likely tokens."""
-    chosen, tops = [], []
-    for token, lp in zip(ids, lps, strict=False):
-        logprob, top = _parts(lp)
-        chosen.append([logprob, token, texts(token) if with_text else None])
-        tops.append([[v, t, texts(t) if with_text else None] for t, v in top])
-    return chosen, tops
-
-
-def sglang_input(
-    texts: TokenTexts, ids: Sequence[int], lps: Sequence[Any], with_text: bool
+    texts: TokenTexts, ids: Sequence[int], lps: Sequence[Any], with_text: bool, *, prompt: bool = False
 ) -> tuple[list[list[Any]], list[list[list[Any]] | None]]:
-    """SGLang's `meta_info.input_token_logprobs` and `input_top_logprobs` for prompt tokens
-    `ids`: as the output's, but a token with no log-probability (the first, where the scoring
-    starts) is `[None, id, text]` with `None` for its top tokens."""
+    """SGLang's `meta_info.output_token_logprobs` and `output_top_logprobs`: [logprob, token id,
+    text or None] per token, and per token a list of those for the most likely tokens. `prompt`
+    tokens (`input_token_logprobs`, `input_top_logprobs`): one with no log-probability (the
+    first, where the scoring starts) is `[None, id, text]` with None for its top tokens."""
     chosen: list[list[Any]] = []
     tops: list[list[list[Any]] | None] = []
-    for token, lp in zip(ids, lps, strict=True):
+    for token, lp in zip(ids, lps, strict=prompt):
         text = texts(token) if with_text else None
-        if lp is None:
+        if prompt and lp is None:
             chosen.append([None, token, text])
             tops.append(None)
             continue

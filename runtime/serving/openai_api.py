@@ -220,9 +220,9 @@ async def parse(ctx: Context, body: dict[str, Any], tenant: str | None, *, chat:
             # Choices of one prompt must differ: a client's seed gives the first, and seeds
             # derived from it the others (None: each from its own request id, at the node).
             seed = spec.seed if j == 0 or spec.seed is None else seed_for(f"{spec.seed}:{j}")
-            # The first token's is None: only a longer prompt asks the node for any.
-            start = 0 if scored and len(input_ids) > 1 else -1
-            choice = attrs.evolve(spec, seed=seed, prompt_logprobs_from=start)
+            choice = attrs.evolve(spec, seed=seed)
+            if scored:
+                choice = params.scoring_prompt_from(choice, 0, len(input_ids))
             req = GenerateRequest(ctx.new_rid(), input_ids, max_new, choice, tenant, session)
             api = "chat" if chat else "completions"
             jobs.append(Job(api, req, s.stop, no_stop_trim=keep, input_logprobs_from=0 if scored else -1))

@@ -196,6 +196,13 @@ def with_logprobs(spec: Sampling, logprobs: bool, top: int, names: Mapping[str, 
         raise bad_request(f"'{param}' must be {exc.expected}, not {show(exc.value)}", param) from None
 
 
+def scoring_prompt_from(spec: Sampling, start: int, prompt_len: int) -> Sampling:
+    """`spec` asking for the prompt's log-probabilities from token `start` (below `prompt_len`):
+    their first entry is always None, so only a start below the prompt's last token asks the node
+    for any (`prompt_logprobs_from`; prefill then computes the prompt outside its cache)."""
+    return attrs.evolve(spec, prompt_logprobs_from=start if start < prompt_len - 1 else -1)
+
+
 @attrs.frozen
 class Asked:
     """Sampling as a request states it, before the prompt's length settles max_new_tokens."""

@@ -7,7 +7,6 @@ from collections.abc import AsyncGenerator, Sequence
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
-import attrs
 import trio
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
@@ -133,10 +132,8 @@ def _job(
 def logprob_spec(body: dict[str, Any], spec: Sampling, prompt_len: int) -> tuple[Sampling, int]:
     """SGLang's `return_logprob`, `top_logprobs_num`, `logprob_start_len` and
     `return_text_in_logprobs`, checked, into `spec`; and where `input_token_logprobs` start (-1:
-    none). As SGLang, -1 (its default) starts at the prompt's last token, and the first entry is
-    always None (no log-probability is computed for it), so only a start below the prompt's last
-    token asks the node for anything (`prompt_logprobs_from`: computed by prefill over the whole
-    prompt, its cache not used). A start past the prompt gives none."""
+    none). As SGLang, -1 (its default) starts at the prompt's last token, whose entry is None
+    (`params.scoring_prompt_from`); a start past the prompt gives none."""
     asked = body.get("return_logprob") is not None and params.boolean(
         body["return_logprob"], "return_logprob"
     )
@@ -153,9 +150,7 @@ def logprob_spec(body: dict[str, Any], spec: Sampling, prompt_len: int) -> tuple
     start = prompt_len - 1 if start == -1 else start
     if start >= prompt_len:
         return spec, -1
-    if start < prompt_len - 1:
-        spec = attrs.evolve(spec, prompt_logprobs_from=start)
-    return spec, start
+    return params.scoring_prompt_from(spec, start, prompt_len), start
 
 
 def session_id(body: dict[str, Any]) -> str:
@@ -209,7 +204,7 @@ def logprob_info(gen: Generation, texts: TokenTexts, with_text: bool) -> dict[st
     start = gen.job.input_logprobs_from
     ids = gen.job.request.input_ids[start:] if start >= 0 else []
     scores = gen.prompt_scores() if spec.prompt_logprobs_from >= 0 else [None] * len(ids)
-    chosen_in, top_in = logprob_shapes.sglang_input(texts, ids, scores, with_text)
+    chosen_in, top_in = logprob_shapes.sglang(texts, ids, scores, with_text, prompt=True)
     out: dict[str, Any] = {"input_token_logprobs": chosen_in, "output_token_logprobs": chosen}
     if spec.top_logprobs:
         out["input_top_logprobs"] = top_in
