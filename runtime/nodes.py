@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import attrs
+import torch
 import trio
 
 from hicache.core.config import DecodeConfig, l2_pages
@@ -34,9 +35,10 @@ from hicache.faults import FaultSpec
 from hicache.runtime.decode.decode_node import DecodeService
 from hicache.runtime.decode.faults import FaultyStore
 from hicache.runtime.kv.kv_layout import KVLayout
-from hicache.runtime.kv.l1_sizing import SizingError, l1_pages_for
+from hicache.runtime.kv.l1_sizing import SizingError, device_memory, l1_pages_for
 from hicache.runtime.lone_error import sole
 from hicache.runtime.malloc_tuning import DEFAULT_MMAP_THRESHOLD, pin_mmap_threshold
+from hicache.runtime.model.device import DeviceError, describe, resolve_device
 from hicache.runtime.model.llama import LlamaConfig, LlamaModel, TinyConfig, TinyModel
 from hicache.runtime.model.tp_model import check_split, shard_model
 from hicache.runtime.prefill.prefill_cache import DEFAULT_CACHE_BYTES, Speeds
@@ -109,22 +111,26 @@ def model_layout(model: LlamaModel, page_size: int) -> KVLayout:
 ModelSpec = TinyConfig | str  # the seeded tiny model, or "default" / a GGUF file / an HF folder
 
 
-def build_model(spec: ModelSpec, dtype: str = "auto", kv_dtype: str = "auto") -> tuple[LlamaModel, str]:
+def build_model(
+    spec: ModelSpec, dtype: str = "auto", kv_dtype: str = "auto", device: torch.device | None = None
+) -> tuple[LlamaModel, str]:
     """The model a node computes with (in `dtype`, K/V in `kv_dtype`; "auto": the checkpoint's
-    own), and the name its page keys are salted with (pages of two models never share a key).
-    A model that cannot be loaded is a `StartupError`."""
+    own) on `device` (default the CPU), and the name its page keys are salted with (pages of two
+    models never share a key). A model that cannot be loaded is a `StartupError`."""
     kv = None if kv_dtype == "auto" else kv_dtype
+    where = torch.device("cpu") if device is None else device
     if isinstance(spec, TinyConfig):
         try:
             config = spec if dtype == "auto" else attrs.evolve(spec, dtype=dtype)
-            return TinyModel(config, kv_dtype=kv), "tiny"
+            return TinyModel(config, kv_dtype=kv, device=where), "tiny"
         except ValueError as exc:
             flag = "--kv-cache-dtype" if "kv_dtype" in str(exc) else "--dtype"
             raise StartupError(f"{flag}: not for the tiny model ({exc})") from exc
     from hicache.runtime.model.loader import load_model
 
     try:
-        loaded = load_model(None if spec == "default" else Path(spec), dtype=dtype, kv_dtype=kv_dtype)
+        path = None if spec == "default" else Path(spec)
+        loaded = load_model(path, dtype=dtype, kv_dtype=kv_dtype, device=where)
     except (OSError, ValueError) as exc:
         raise StartupError(f"--model {spec}: cannot load it ({exc})") from exc
     config = loaded.model.config
@@ -169,6 +175,8 @@ class PrefillOptions:
     step_tokens: int = DEFAULT_STEP_TOKENS  # tokens of one step's chunks together
     dtype: str = "auto"  # what the model computes in (--dtype); auto: the checkpoint's
     kv_cache_dtype: str = "auto"  # what K/V is kept in (--kv-cache-dtype); auto: the model's dtype
+    device: str = "cpu"  # where the model, its cache's L1 and sampling live (--device)
+    base_gpu_id: int = 0  # the GPU of --device cuda (--base-gpu-id)
 
 
 @attrs.frozen
@@ -202,6 +210,20 @@ class DecodeOptions:
     max_total_tokens: int = 0
     mem_fraction_static: float = 0.0
     l2_ratio: float | None = None  # L2 follows a resized L1 at this ratio; None: L2 as configured
+    device: str = "cpu"  # where the model, L1 and sampling live (--device); L2 stays on the host
+    base_gpu_id: int = 0  # rank r of --device cuda uses GPU base_gpu_id + r (--base-gpu-id)
+
+
+def node_device(kind: str, base_gpu_id: int, rank: int = 0) -> torch.device:
+    """The device a node (rank `rank`) computes on, made the current CUDA device so that
+    streams, events and NCCL land on it; a `StartupError` naming the flag when it cannot."""
+    try:
+        device = resolve_device(kind, base_gpu_id, rank)
+    except DeviceError as exc:
+        raise StartupError(str(exc)) from None
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device
 
 
 def _secret(path: Path | None) -> ClusterSecret:
@@ -227,8 +249,9 @@ async def _until_signal(cancel: trio.CancelScope) -> None:
 async def run_prefill(opts: PrefillOptions) -> None:
     secret = _secret(opts.secret_file)
     await _check_listen(opts.host, opts.port)  # before the model loads
+    device = node_device(opts.device, opts.base_gpu_id)
     engine = make_engine(opts.engine, f"prefill-{opts.engine}-{os.getpid()}", secret, opts.host)
-    model, _ = build_model(opts.model, opts.dtype, opts.kv_cache_dtype)
+    model, _ = build_model(opts.model, opts.dtype, opts.kv_cache_dtype, device)
     layout = model_layout(model, opts.page_size)
     store = None
     if opts.storage_dir is not None:  # as the decode nodes open it: same files, same keys
@@ -270,7 +293,7 @@ async def run_prefill(opts: PrefillOptions) -> None:
                     raise StartupError(
                         f"--address-file {opts.address_file}: cannot write it ({why(exc)})"
                     ) from exc
-            _ready({"node": "prefill", "port": port, "engine": engine.name})
+            _ready({"node": "prefill", "port": port, "engine": engine.name, "device": describe(device)})
     finally:
         if store is not None:
             await store.aclose()
@@ -319,6 +342,7 @@ def _prefill_flag(prefill: PrefillAddress | tuple[str, int]) -> str:
 
 
 def _tp_group(opts: DecodeOptions, model: LlamaModel) -> TPGroup | None:
+    # One GPU per rank: collectives on NCCL there, gloo on the CPU (`TPGroup`).
     """This rank's TP group (rank 0 starts the others); None for a single-rank node."""
     size, rank = opts.core.tp_size, opts.tp_rank
     if size == 1:
@@ -331,9 +355,9 @@ def _tp_group(opts: DecodeOptions, model: LlamaModel) -> TPGroup | None:
     timeout = opts.collective_timeout
     try:
         if rank == 0:
-            return TPGroup.lead(size, opts.host, timeout, opts.tp_argv, "cpu")
+            return TPGroup.lead(size, opts.host, timeout, opts.tp_argv, str(model.device))
         assert opts.tp_store is not None
-        return TPGroup.join(rank, size, opts.tp_store, timeout, "cpu")
+        return TPGroup.join(rank, size, opts.tp_store, timeout, str(model.device))
     except (RuntimeError, OSError) as exc:
         raise StartupError(f"--tp-size {size}: cannot form the group's store ({exc})") from exc
 
@@ -351,7 +375,8 @@ async def run_decode(opts: DecodeOptions) -> None:
     _api_keys(opts.api_keys)
     if opts.tp_rank == 0:
         await _check_listen(opts.host, opts.port)
-    model, model_name = build_model(opts.model, opts.dtype, opts.kv_cache_dtype)
+    device = node_device(opts.device, opts.base_gpu_id, opts.tp_rank)
+    model, model_name = build_model(opts.model, opts.dtype, opts.kv_cache_dtype, device)
     group = _tp_group(opts, model)
     try:
         await _run_decode(opts, model, model_name, group)
@@ -365,7 +390,7 @@ async def _run_decode(opts: DecodeOptions, model: LlamaModel, model_name: str, g
     if group is not None:
         model = shard_model(model, rank, group.size, group.all_reduce_sum)
     layout = model_layout(model, opts.core.page_size)
-    core = _sized_l1(opts, layout)
+    core = _sized_l1(opts, layout, model.device)
     if opts.l2_gigabytes > 0:  # --hicache-size: GB of host memory, in this model's pages
         l2 = l2_pages(
             core.l1_pages, core.page_size, l2_bytes=opts.l2_gigabytes * 1e9, page_bytes=layout.page_bytes
@@ -423,6 +448,7 @@ async def _run_decode(opts: DecodeOptions, model: LlamaModel, model_name: str, g
             api_keys=keys,
             tp=group,
             command_log=log_file,
+            device=str(model.device),
         )
         nursery.start_soon(_until_signal, nursery.cancel_scope)
         start = functools.partial(service.run, opts.port, opts.prefill, host=opts.host)
@@ -435,7 +461,7 @@ async def _run_decode(opts: DecodeOptions, model: LlamaModel, model_name: str, g
             if line is None:
                 raise
             raise StartupError(line) from exc
-        info = {"node": "decode", "port": port, "engine": engine.name}
+        info = {"node": "decode", "port": port, "engine": engine.name, "device": describe(model.device)}
         if group is not None:
             info.update(tp_size=group.size, tp_rank=rank, tp_pids=[c.pid for c in group.children])
         if isinstance(store, FileStore):
@@ -447,9 +473,10 @@ async def _run_decode(opts: DecodeOptions, model: LlamaModel, model_name: str, g
             )
 
 
-def _sized_l1(opts: DecodeOptions, layout: KVLayout) -> DecodeConfig:
-    """The core's config with L1 sized from memory (`--max-total-tokens`, `--mem-fraction-static`)
-    when either is given, and L2 following it at `l2_ratio`."""
+def _sized_l1(opts: DecodeOptions, layout: KVLayout, device: torch.device) -> DecodeConfig:
+    """The core's config with L1 sized from memory (`--max-total-tokens`, `--mem-fraction-static`:
+    the GPU's when L1 is on one, else the host's) when either is given, and L2 following it at
+    `l2_ratio`."""
     core = opts.core
     try:
         pages = l1_pages_for(
@@ -457,6 +484,7 @@ def _sized_l1(opts: DecodeOptions, layout: KVLayout) -> DecodeConfig:
             page_bytes=layout.page_bytes,
             max_total_tokens=opts.max_total_tokens,
             mem_fraction_static=opts.mem_fraction_static,
+            memory=device_memory(device) if opts.mem_fraction_static > 0 else None,
         )
     except SizingError as exc:
         raise StartupError(str(exc)) from None

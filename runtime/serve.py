@@ -69,6 +69,8 @@ class ServeOptions:
     model: str = "default"  # "default", a GGUF file or a Hugging Face folder
     dtype: str = "auto"  # both nodes' --dtype
     kv_cache_dtype: str = "auto"  # both nodes' --kv-cache-dtype (they must agree)
+    device: str = "cpu"  # both nodes' --device
+    base_gpu_id: int = 0  # both nodes' --base-gpu-id (a decode node's rank r: that GPU + r)
     chunked_prefill_size: int = 512  # the prefill nodes started here: tokens of a prompt per step
     max_prefill_tokens: int = 1024  # ... and tokens of all of one step's chunks
     host: str = "127.0.0.1"
@@ -215,6 +217,7 @@ def prefill_args(opts: ServeOptions, address: Path) -> list[str]:
 def _node_args(opts: ServeOptions) -> list[str]:
     args = ["--engine", opts.engine, "--page-size", str(opts.page_size), "--model", opts.model]
     args += ["--dtype", opts.dtype, "--kv-cache-dtype", opts.kv_cache_dtype]
+    args += ["--device", opts.device, "--base-gpu-id", str(opts.base_gpu_id)]
     # The nodes share this machine's cores: a thread of one waiting on a core another keeps busy
     # would stall every step of its model at the next barrier.
     started = (0 if opts.prefill else opts.prefill_nodes) + opts.decode_nodes

@@ -94,6 +94,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for item in items:
             if item.get_closest_marker("plain_python") is not None:
                 item.add_marker("process")
+    _skip_gpu_tests_without_cuda(items)
     if not config.getoption("quick"):
         return
     keep = [item for item in items if not any(item.get_closest_marker(t) for t in TIERS)]
@@ -101,6 +102,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         kept = set(map(id, keep))
         config.hook.pytest_deselected(items=[item for item in items if id(item) not in kept])
         items[:] = keep
+
+
+def _skip_gpu_tests_without_cuda(items: list[pytest.Item]) -> None:
+    """Tests marked `gpu` need a CUDA device; torch is asked only when such a test was collected."""
+    gpu = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if not gpu:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    for item in gpu:
+        item.add_marker(pytest.mark.skip(reason="marked gpu: torch sees no CUDA device"))
 
 
 def pytest_report_collectionfinish(config: pytest.Config) -> str | None:
@@ -116,6 +130,7 @@ def pytest_report_collectionfinish(config: pytest.Config) -> str | None:
 # outcome is the child's.
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "plain_python: run this test on the plain-Python modules")
+    config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped where torch sees none)")
     for name, what in TIERS.items():
         config.addinivalue_line("markers", f"{name}: {what} (left out by --quick)")
 

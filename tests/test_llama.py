@@ -9,6 +9,7 @@ not use: untied heads, q/k/v biases, RoPE scaling, and Qwen2's unpermuted GGUF l
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -236,6 +237,59 @@ def test_bfloat16_greedy_tokens_agree_with_transformers_float32(
             checked += 1
             assert int(got.argmax()) == int(want[n - 1].argmax()), (text, n)
     assert checked > 50
+
+
+@pytest.fixture(scope="module")
+def reference_bf16() -> Any:
+    """transformers' model in bfloat16 (the dtype a node serves in), from the same GGUF file."""
+    from transformers import AutoModelForCausalLM
+
+    _quiet_transformers()
+    path = default_model_path()
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.bfloat16)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model.eval()
+
+
+def _bf16_step(value: float) -> float:
+    """The spacing of bfloat16 numbers around `value` (8 significant bits)."""
+    return 2.0 ** (math.floor(math.log2(abs(value))) - 7)
+
+
+@pytest.mark.real_model
+def test_bfloat16_greedy_decode_equals_transformers_bfloat16_for_24_steps(
+    ours_native: LoadedModel, reference_bf16: Any
+) -> None:
+    """Both in bfloat16 on the CPU: 24 greedy tokens, prefilled and decoded on pages, equal
+    transformers' `generate`. Both sum in a different order, so an exact bfloat16 tie may fall
+    either way: a prompt may part only where transformers' own logits hold both tokens within two
+    bfloat16 steps of each other, and most prompts must not part at all."""
+    model, tokenizer = ours_native.model, ours_native.tokenizer
+    chats = ["Name three primary colors.", "Write a haiku about the sea."]
+    prompts = [tokenizer.encode(p) for p in PROMPTS] + [
+        tokenizer.encode_chat([{"role": "user", "content": c}]) for c in chats
+    ]
+    steps, whole = 24, 0
+    for ids in prompts:
+        pool = make_pool(model, -(-(len(ids) + steps) // 16), 16)
+        table = list(range(pool.shape[0]))[::-1]
+        logits = model.prefill_into(pool, table, 0, ids)
+        ours = [int(logits.argmax())]
+        for step in range(steps - 1):
+            ours.append(int(model.decode_batch(pool, [table], [len(ids) + step], [ours[-1]])[0].argmax()))
+        with torch.no_grad():
+            theirs = reference_bf16.generate(torch.tensor([ids]), max_new_tokens=steps, do_sample=False)
+        theirs = theirs[0, len(ids) :].tolist()
+        first = next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a != b), None)
+        if first is None:
+            whole += 1
+            continue
+        with torch.no_grad():
+            at = reference_bf16(torch.tensor([ids + theirs[:first]])).logits[0, -1].float()
+        gap = abs(float(at[theirs[first]] - at[ours[first]]))
+        assert gap <= 2 * _bf16_step(float(at.max())), (tokenizer.decode(ids), first, gap)
+    assert whole >= 3, f"only {whole} of {len(prompts)} prompts agree for all {steps} steps"
 
 
 @pytest.mark.real_model

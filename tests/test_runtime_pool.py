@@ -409,7 +409,7 @@ async def test_tracker_reports_a_failed_completion_to_its_waiter() -> None:
 # ------------------------------------------------------------------------------------------ GPU
 
 
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.gpu
 @pytest.mark.parametrize("by_runs", [False, True])
 @pytest.mark.parametrize("direction", ["h2d", "d2h", "d2d"])
 async def test_cuda_copies_are_bit_exact(direction: str, by_runs: bool) -> None:

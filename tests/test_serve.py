@@ -74,7 +74,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     keys.write_text(f'[[key]]\nkey = "{ADMIN}"\nadmin = true\n')
     keys.chmod(0o600)
     with contextlib.ExitStack() as procs:  # stopped last to first
+        # Where and in what it computes, as SGLang's flags say it (the default model's own dtype).
         common = ["--engine", "tcp", "--model", "default", "--page-size", str(PAGE)]
+        common += ["--device", "cpu", "--dtype", "bfloat16"]
         prefill = procs.enter_context(running("prefill", *common, logs=tmp, timeout=READY_S))
         decode_args = ["--prefill", f"127.0.0.1:{prefill.port}", "--api-keys", str(keys)]
         decode_args += ["--l1-pages", "128", "--l2-pages", "128", "--storage-dir", str(tmp / "l3")]
@@ -95,6 +97,11 @@ def test_an_open_front_door_says_so_once_at_start(stack: Stack) -> None:
     """Issue 30, finding 10: a front door without --api-keys started without a word."""
     said = [line for line in stack.procs[2].stderr().splitlines() if "no --api-keys" in line]
     assert len(said) == 1 and "each caller's cache is its own" in said[0], said
+
+
+def test_the_nodes_say_where_they_compute(stack: Stack) -> None:
+    for node in stack.procs[:2]:
+        assert node.info["device"] == "cpu", node.info
 
 
 def test_the_model_answers_through_the_openai_client(stack: Stack) -> None:

@@ -21,11 +21,11 @@ import torch
 import trio
 from engine_kinds import ENGINES
 from node_pair import assert_nothing_held, node_pair, prompt, turn
-from transfer_peer import wire_initiate
+from transfer_peer import read_reply, wire_initiate
 
 from hicache.runtime.prefill.prefill_node import PrefillNode
 from hicache.runtime.transfer import NixlEngine, PeerInfo, TcpEngine, TransferEngine, XferState
-from hicache.runtime.transfer.tcp_wire import HEADER, Msg, encode_header
+from hicache.runtime.transfer.tcp_wire import Msg, encode_header
 
 PAGES, PAGE_BYTES = 8, 64 * 1024
 GUARD_S = 20  # a guard against hangs, never a speed assertion
@@ -37,24 +37,6 @@ async def tcp_target() -> AsyncIterator[tuple[TcpEngine, np.ndarray]]:
     async with TcpEngine(name="target") as engine:
         engine.register("pool", pool)
         yield engine, pool
-
-
-async def read_reply(stream: trio.SocketStream) -> tuple[int, bytes]:
-    """The type and notif text of the next message, or (0, b"") at EOF."""
-    buf = b""
-    while len(buf) < HEADER.size:
-        chunk = await stream.receive_some(HEADER.size - len(buf))
-        if not chunk:
-            return 0, b""
-        buf += chunk
-    _, _, mtype, name_len, _, _, _, notif_len = HEADER.unpack(buf)
-    want, body = name_len + notif_len, b""
-    while len(body) < want:
-        chunk = await stream.receive_some(want - len(body))
-        if not chunk:
-            break
-        body += chunk
-    return mtype, body[name_len:]
 
 
 async def test_tcp_fence_cuts_off_a_write_that_is_landing() -> None:

@@ -102,6 +102,26 @@ async def wire_initiate(stream: trio.abc.Stream, name: bytes, secret: ClusterSec
     return auth
 
 
+async def read_reply(stream: trio.abc.ReceiveStream) -> tuple[int, bytes]:
+    """The type and notif text of the next message, or (0, b"") at EOF."""
+    from hicache.runtime.transfer.tcp_wire import HEADER
+
+    buf = b""
+    while len(buf) < HEADER.size:
+        chunk = await stream.receive_some(HEADER.size - len(buf))
+        if not chunk:
+            return 0, b""
+        buf += chunk
+    _, _, mtype, name_len, _, _, _, notif_len = HEADER.unpack(buf)
+    want, body = name_len + notif_len, b""
+    while len(body) < want:
+        chunk = await stream.receive_some(want - len(body))
+        if not chunk:
+            break
+        body += chunk
+    return mtype, body[name_len:]
+
+
 async def wire_accept(stream: trio.abc.Stream, name: bytes, secret: ClusterSecret | None = None) -> bytes:
     """The target's side of the handshake by hand, as engine `name`: read HELLO, answer HELLO_ACK,
     check AUTH. Returns the initiator's name."""

@@ -87,6 +87,8 @@ def run_node(args: argparse.Namespace) -> int:
                 step_tokens=args.max_prefill_tokens,
                 dtype=args.dtype,
                 kv_cache_dtype=args.kv_cache_dtype,
+                device=args.device,
+                base_gpu_id=args.base_gpu_id,
             )
             return nodes.main_prefill(opts)
         return nodes.main_decode(decode_options(args, model))
@@ -136,6 +138,8 @@ def decode_options(args: argparse.Namespace, model: TinyConfig | str) -> DecodeO
         max_total_tokens=args.max_total_tokens,
         mem_fraction_static=args.mem_fraction_static,
         l2_ratio=cache_flags.l2_ratio(args),
+        device=args.device,
+        base_gpu_id=args.base_gpu_id,
     )
 
 
@@ -254,6 +258,8 @@ def run_serve(args: argparse.Namespace) -> int:
         model=args.model,
         dtype=args.dtype,
         kv_cache_dtype=args.kv_cache_dtype,
+        device=args.device,
+        base_gpu_id=args.base_gpu_id,
         chunked_prefill_size=args.chunked_prefill_size,
         max_prefill_tokens=args.max_prefill_tokens,
         host=args.host,

@@ -7,7 +7,16 @@ from pathlib import Path
 from hicache.arg_types import directory, float_above, int_in
 from hicache.commands import runtime_commands as rt
 from hicache.commands.parser import CacheFlags, Command, Group, SettingFlag, arg
-from hicache.commands.shared_args import DTYPE, ENGINES, KV_CACHE_DTYPE, LOG_LEVELS, PORT, PREFILL_SCHEDULER
+from hicache.commands.shared_args import (
+    BASE_GPU_ID,
+    DEVICE,
+    DTYPE,
+    ENGINES,
+    KV_CACHE_DTYPE,
+    LOG_LEVELS,
+    PORT,
+    PREFILL_SCHEDULER,
+)
 from hicache.core.router import ROUTERS
 
 SERVE = Command(
@@ -26,6 +35,8 @@ SERVE = Command(
         ),
         DTYPE,
         KV_CACHE_DTYPE,
+        DEVICE,
+        BASE_GPU_ID,
         PREFILL_SCHEDULER,  # passed on to the prefill nodes started here
         arg(
             "--served-model-name",

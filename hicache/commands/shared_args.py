@@ -26,6 +26,21 @@ KV_CACHE_DTYPE = arg(
     help="what K/V is kept in, in every tier, on the wire and in L3 (SGLang's name); auto: the model's "
     "dtype; prefill and decode nodes must agree (default auto)",
 )
+# Where the model computes (SGLang's flags; `runtime/model/device.py`).
+DEVICE = arg(
+    "--device",
+    choices=("cpu", "cuda"),
+    default="cpu",
+    help="where the model's weights, its forward, L1 and sampling live (SGLang's name); with cuda, "
+    "L2 is pinned host memory and copies between them run on their own CUDA streams (default cpu)",
+)
+BASE_GPU_ID = arg(
+    "--base-gpu-id",
+    type=int_in(0),
+    default=0,
+    metavar="N",
+    help="the GPU of --device cuda; rank r of --tp-size uses GPU N + r (SGLang's name) (default 0)",
+)
 # How a prefill node schedules its prompts (`hicache.core.prefill_sched`); serve passes them on.
 PREFILL_SCHEDULER = Group(
     "the prefill scheduler (prompts compute in chunks, shortest remaining work first)",

@@ -15,6 +15,8 @@ from hicache.commands import sim_commands as sim
 from hicache.commands.parser import Arg, CacheFlags, Command, Group, OneOf, SettingFlag, arg
 from hicache.commands.serve_table import SERVE
 from hicache.commands.shared_args import (
+    BASE_GPU_ID,
+    DEVICE,
     DTYPE,
     ENGINES,
     KV_CACHE_DTYPE,
@@ -227,6 +229,8 @@ NODE: tuple[Arg | SettingFlag | Group, ...] = (
     arg("--model-seed", type=int_in(0), default=0, help="the tiny model's weights"),
     DTYPE,
     KV_CACHE_DTYPE,
+    DEVICE,
+    BASE_GPU_ID,
     arg(
         "--threads",
         type=int_in(1),

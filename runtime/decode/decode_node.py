@@ -124,9 +124,12 @@ class DecodeService:
         self.gate = Gate(limits if limits is not None else Limits(), log)
         secret = secret if secret is not None else ClusterSecret.load()
         # Past the core's pages: the decode steps' scratch pages (`Batch`), never the core's. Host
-        # memory is held as pages are first written (lazy), as what L1 caches grows.
+        # memory is held as pages are first written (lazy), as what L1 caches grows. With L1 on
+        # a GPU, L2 is pinned so load-backs and backups are asynchronous DMA; with L1 on the host,
+        # pinning would only touch every page of L2 at start.
         self.l1 = KVPool(layout, config.l1_pages + SCRATCH_PAGES, device=device, name="L1", lazy=True)
-        self.l2 = KVPool(layout, max(config.l2_pages, 1), name="L2", lazy=True)  # filled by backups
+        l2_pages = max(config.l2_pages, 1)  # filled by backups
+        self.l2 = KVPool(layout, l2_pages, pinned=self.l1.is_cuda, name="L2", lazy=True)
         self.region = engine.register("L1", self.l1.bytes_view())
         self.check_pages = self.faults is not None if check_pages is None else check_pages
         guard = PageGuard(self.l2) if self.check_pages else None

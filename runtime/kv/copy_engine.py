@@ -13,10 +13,14 @@ large operations, never a Python call per small page:
   amortised, and the staging pass is saved (measured 6.8-9 GB/s against 3.5 GB/s for the two-pass
   gather/scatter at 256 KiB-4 MiB pages, while at 16 KiB the per-call cost drops the loop to
   1.4 GB/s).
-- Either side on a GPU: the copies are issued on a side CUDA stream (per device) after it waits
-  for the caller's current stream, an event is recorded, and the trio task waits for the event
-  by polling `event.query()`; see `StreamTracker`. Host memory should be pinned so the DMA runs
-  asynchronously (a `KVPool` on a CUDA machine pins by default). The same 256 KiB threshold
+- Either side on a GPU: the copies are issued on a side CUDA stream (per device, a `Lane`,
+  `copy_lanes.py`) after it waits for the caller's current stream, an event is recorded, and the
+  trio task waits for the event by polling `event.query()`; see `StreamTracker`. A step that
+  reads a restored page runs once its copy's event has fired, never after a device-wide
+  synchronize. The same structure runs on host memory with an `ImmediateLane` (its "stream" runs
+  each operation as it is issued), which is how the tests exercise it without a GPU. Host memory
+  should be pinned so the DMA runs asynchronously (a node's L2 is, when its L1 is on a GPU; a
+  `KVPool` on a CUDA machine pins by default). The same 256 KiB threshold
   holds there: on an H200 (PCIe, 55 GB/s pinned), 1024 random 128 KiB pages moved at 20 GB/s by
   host gather + one DMA + device scatter against 12 GB/s page by page, and 256 KiB pages at
   5-19 GB/s against 23 GB/s (one DMA per page reaches 45-53 GB/s from 1 MiB up).
@@ -35,6 +39,7 @@ import numpy as np
 import torch
 import trio
 
+from hicache.runtime.kv.copy_lanes import CudaLane, Lane
 from hicache.runtime.kv.kv_pool import KVPool, PageIndices
 
 LARGE_PAGE_BYTES = 1024 * 1024
@@ -170,6 +175,11 @@ class CopyEngine:
 
     A cancelled `copy` returns only once the copy already under way has finished, so the caller
     may reuse the pages as soon as it regains control.
+
+    `on_lane(pool)` says which pools are device memory, whose copies go through a lane
+    (`lanes(device)` makes one per device, once); by default the pools on a GPU, each GPU's lane
+    a CUDA side stream. Tests name host pools instead and give `ImmediateLane`s, or lanes whose
+    events fire when the test says so.
     """
 
     def __init__(
@@ -179,6 +189,8 @@ class CopyEngine:
         large_page_bytes: int = LARGE_PAGE_BYTES,
         poll_min_s: float = 20e-6,
         poll_max_s: float = 1e-3,
+        on_lane: Callable[[KVPool], bool] | None = None,
+        lanes: Callable[[torch.device], Lane] = CudaLane,
     ) -> None:
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
             raise ValueError(f"CopyEngine.threads: expected an int >= 1, got {threads!r}")
@@ -201,8 +213,9 @@ class CopyEngine:
             np.zeros((1, 1), np.int64),
             np.zeros(0, np.int64),
         )
-        self._streams: dict[torch.device, torch.cuda.Stream] = {}
-        self._trackers: dict[torch.device, StreamTracker] = {}
+        self._on_lane = on_lane if on_lane is not None else _is_cuda
+        self._make_lane = lanes
+        self._lanes: dict[torch.device, tuple[Lane, StreamTracker]] = {}
 
     # ---------------------------------------------------------------------------------- public
 
@@ -219,7 +232,7 @@ class CopyEngine:
 
         With `nursery.start(engine.copy, ...)` the call returns once the copy has been issued
         (on a GPU: enqueued on the side stream), which lets a caller enqueue other GPU work that
-        should overlap it.
+        should overlap it; the call itself returns once the copy has completed.
         """
         s_idx, d_idx = self._check(src, src_pages, dst, dst_pages)
         n = s_idx.size
@@ -229,8 +242,8 @@ class CopyEngine:
         self.stats.batches += 1
         self.stats.pages += n
         self.stats.bytes += n * src.layout.page_bytes
-        if src.is_cuda or dst.is_cuda:
-            await self._copy_cuda(src, s_idx, dst, d_idx, task_status)
+        if self._on_lane(src) or self._on_lane(dst):
+            await self._copy_on_lane(src, s_idx, dst, d_idx, task_status)
         else:
             task_status.started()
             await trio.to_thread.run_sync(
@@ -305,17 +318,17 @@ class CopyEngine:
             return
         _copy_rows(src_w, s_idx.astype(np.int64, copy=False), dst_w, d_idx.astype(np.int64, copy=False))
 
-    # --------------------------------------------------------------------------------- CUDA path
+    # ------------------------------------------------------------------------- device (lane) path
 
-    def _stream(self, device: torch.device) -> tuple[torch.cuda.Stream, StreamTracker]:
-        if device.index is None:
+    def _lane(self, device: torch.device) -> tuple[Lane, StreamTracker]:
+        if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        if device not in self._streams:
-            self._streams[device] = torch.cuda.Stream(device=device)
-            self._trackers[device] = StreamTracker(min_s=self._poll[0], max_s=self._poll[1])
-        return self._streams[device], self._trackers[device]
+        if device not in self._lanes:
+            tracker = StreamTracker(min_s=self._poll[0], max_s=self._poll[1])
+            self._lanes[device] = (self._make_lane(device), tracker)
+        return self._lanes[device]
 
-    async def _copy_cuda(
+    async def _copy_on_lane(
         self,
         src: KVPool,
         s_idx: np.ndarray,
@@ -323,16 +336,15 @@ class CopyEngine:
         d_idx: np.ndarray,
         task_status: trio.TaskStatus[None],
     ) -> None:
-        device = dst.device if dst.is_cuda else src.device
-        stream, tracker = self._stream(device)
-        caller = torch.cuda.current_stream(device)
+        lane, tracker = self._lane(dst.device if self._on_lane(dst) else src.device)
+        caller = lane.caller()
         held: list[tuple[torch.device, bool, torch.Tensor]] = []
         event, finish = await trio.to_thread.run_sync(
-            self._issue_cuda, src, s_idx, dst, d_idx, stream, caller, held, limiter=self._limiter
+            self._issue, src, s_idx, dst, d_idx, lane, caller, held, limiter=self._limiter
         )
         task_status.started()
-        # The GPU owns the pages and the staging buffers until the event fires: a cancellation
-        # waits for it rather than hand back memory that is still being written.
+        # The device owns the pages and the staging buffers until the event fires: a
+        # cancellation waits for it rather than hand back memory that is still being written.
         with trio.CancelScope(shield=True):
             try:
                 await tracker.wait(event)
@@ -342,23 +354,23 @@ class CopyEngine:
                 for dev, pinned, buf in held:
                     self._give(dev, pinned, buf)
 
-    def _issue_cuda(
+    def _issue(
         self,
         src: KVPool,
         s_idx: np.ndarray,
         dst: KVPool,
         d_idx: np.ndarray,
-        stream: torch.cuda.Stream,
-        caller: torch.cuda.Stream,
+        lane: Lane,
+        caller: object,
         held: list[tuple[torch.device, bool, torch.Tensor]],
-    ) -> tuple[torch.cuda.Event, Callable[[], None] | None]:
-        """Enqueue the copy on `stream` (runs on a worker thread: issuing a thousand page copies
+    ) -> tuple[object, Callable[[], None] | None]:
+        """Enqueue the copy on `lane` (runs on a worker thread: issuing a thousand page copies
         or gathering host pages takes milliseconds). Returns the completion event and, for a
         device-to-host gather, the host scatter to run once the event has fired."""
         src_w, dst_w = src.words_view(), dst.words_view()
         n, words = s_idx.size, src.layout.page_words
-        device = stream.device
-        cpu = torch.device("cpu")
+        device, cpu = lane.device, torch.device("cpu")
+        src_dev, dst_dev = self._on_lane(src), self._on_lane(dst)
         finish: Callable[[], None] | None = None
 
         def staging(dev: torch.device, pinned: bool) -> torch.Tensor:
@@ -366,36 +378,38 @@ class CopyEngine:
             held.append((dev, pinned, buf))
             return buf[: n * words].view(n, words)
 
-        def on(pool: KVPool, idx: np.ndarray) -> torch.Tensor:
+        def on(on_device: bool, idx: np.ndarray) -> torch.Tensor:
             t = torch.from_numpy(idx)
-            return t.to(pool.device, non_blocking=True) if pool.is_cuda else t
+            return t.to(device, non_blocking=True) if on_device else t
 
-        with torch.cuda.device(device), torch.cuda.stream(stream):
-            stream.wait_stream(caller)
+        with lane.issuing(caller):
             runs = contiguous_runs(s_idx, d_idx)
             if self._by_runs(runs, n, src.layout.page_bytes):
                 for s0, d0, k in runs.tolist():
                     dst_w[d0 : d0 + k].copy_(src_w[s0 : s0 + k], non_blocking=True)
-            elif src.is_cuda and dst.is_cuda:
+            elif src_dev and dst_dev:
                 dev_stg = staging(device, False)
-                torch.index_select(src_w, 0, on(src, s_idx), out=dev_stg)
-                dst_w.index_copy_(0, on(dst, d_idx), dev_stg)
-            elif dst.is_cuda:  # host -> device: gather on the host, one DMA, scatter on the device
-                host_stg = staging(cpu, True)
+                torch.index_select(src_w, 0, on(True, s_idx), out=dev_stg)
+                dst_w.index_copy_(0, on(True, d_idx), dev_stg)
+            elif dst_dev:  # host -> device: gather on the host, one DMA, scatter on the device
+                host_stg = staging(cpu, lane.pinned)
                 torch.index_select(src_w, 0, torch.from_numpy(s_idx), out=host_stg)
                 dev_stg = staging(device, False)
                 dev_stg.copy_(host_stg, non_blocking=True)
-                dst_w.index_copy_(0, on(dst, d_idx), dev_stg)
+                dst_w.index_copy_(0, on(True, d_idx), dev_stg)
             else:  # device -> host: gather on the device, one DMA, scatter on the host afterwards
                 dev_stg = staging(device, False)
-                torch.index_select(src_w, 0, on(src, s_idx), out=dev_stg)
-                host_stg = staging(cpu, True)
+                torch.index_select(src_w, 0, on(True, s_idx), out=dev_stg)
+                host_stg = staging(cpu, lane.pinned)
                 host_stg.copy_(dev_stg, non_blocking=True)
                 d_cpu = torch.from_numpy(d_idx)
 
                 def finish() -> None:
                     dst_w.index_copy_(0, d_cpu, host_stg)
 
-            event = torch.cuda.Event()
-            event.record(stream)
+            event = lane.record()
         return event, finish
+
+
+def _is_cuda(pool: KVPool) -> bool:
+    return pool.is_cuda

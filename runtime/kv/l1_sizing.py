@@ -6,7 +6,9 @@ take together: the pool gets what is still available once the weights are loaded
 `1 - fraction` of the total kept back for everything else). A node here does the same, with the
 machine's memory standing in for the GPU's when L1 lives in host memory (this machine has no
 GPU): `available` is what the kernel says could still be allocated (`MemAvailable`), `total` the
-physical memory or the cgroup's limit, whichever is lower. Both flags given: the smaller L1.
+physical memory or the cgroup's limit, whichever is lower. On a GPU (`--device cuda`) they are
+what the CUDA driver reports for that GPU (`torch.cuda.mem_get_info`). Both flags given: the
+smaller L1.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import attrs
+import torch
 
 _CGROUP_LIMITS = (Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"))
 
@@ -44,6 +47,14 @@ def host_memory(meminfo: Path = Path("/proc/meminfo")) -> Memory:
         if text.isdigit():
             total = min(total, int(text))
     return Memory(total=total, available=min(available, total))
+
+
+def device_memory(device: torch.device) -> Memory:
+    """The memory L1 is sized from on `device`: a GPU's own, or the host's for the CPU."""
+    if device.type != "cuda":
+        return host_memory()
+    free, total = torch.cuda.mem_get_info(device)
+    return Memory(total=int(total), available=int(free))
 
 
 class SizingError(ValueError):

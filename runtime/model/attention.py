@@ -68,7 +68,8 @@ def attend_last(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ends: torch.T
     kv_heads = k.shape[2]
     mask = None
     if ends is not None:
-        mask = torch.arange(k.shape[1])[None, None, None, :] < ends[:, None, None, None]  # (B, 1, 1, L)
+        keys = torch.arange(k.shape[1], device=k.device)
+        mask = keys[None, None, None, :] < ends[:, None, None, None]  # (B, 1, 1, L)
     if q.dtype not in _HALF:
         out = F.scaled_dot_product_attention(
             q[:, :, None], k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, enable_gqa=True
@@ -97,7 +98,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, queries_from: int)
         return attend_last(q, k[None], v[None], None)
     else:
         # Query i sits at position queries_from + i and sees keys 0 .. queries_from + i.
-        rows = torch.arange(queries_from, queries_from + m)[:, None]
-        mask = torch.arange(s)[None, :] <= rows
+        rows = torch.arange(queries_from, queries_from + m, device=q.device)[:, None]
+        mask = torch.arange(s, device=q.device)[None, :] <= rows
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True)
     return out[0].transpose(0, 1).reshape(m, -1)

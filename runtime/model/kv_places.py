@@ -12,10 +12,15 @@ from hicache.runtime.model.attention import attend, attend_last
 
 
 class ContiguousKV:
-    """One sequence: its past K/V in one tensor; the new tokens' K/V collected into `kv_new`."""
+    """One sequence: its past K/V in one tensor; the new tokens' K/V collected into `kv_new`.
+    `first_row` is the first new row whose logits are wanted (the rows that query at the last
+    layer run from it to the end), given as a host int so no layer reads it back from a GPU."""
 
-    def __init__(self, past_kv: torch.Tensor | None, past_len: int, kv_new: torch.Tensor) -> None:
+    def __init__(
+        self, past_kv: torch.Tensor | None, past_len: int, kv_new: torch.Tensor, first_row: int
+    ) -> None:
         self.past_kv, self.past_len, self.kv_new = past_kv, past_len, kv_new
+        self.first_row = first_row
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         self.kv_new[layer, 0] = k
@@ -28,7 +33,7 @@ class ContiguousKV:
             v = torch.cat((self.past_kv[layer, 1], v), dim=0)
         # `rows`: the new rows that query, a run that ends at the last one (the last alone, or
         # every row whose logits are wanted); None: every new row.
-        queries_from = self.past_len + (int(rows[0]) if rows is not None else 0)
+        queries_from = self.past_len + (self.first_row if rows is not None else 0)
         return attend(q, k.to(q.dtype), v.to(q.dtype), queries_from)
 
 
@@ -49,14 +54,17 @@ class PagedKV:
         starts: Sequence[int],
         counts: Sequence[int],
     ) -> None:
+        # The indices are built on the host (from host ints) and moved to the pool's device once
+        # per forward, not once per layer.
+        dev = pool.device
         page_size = pool.shape[3]
         self.pool = pool
         self.batch = len(counts)
         self.ends = [s + n for s, n in zip(starts, counts, strict=True)]  # keys 0 .. end-1
-        self.ends_tensor = torch.tensor(self.ends, dtype=torch.int64)
         positions = torch.cat([torch.arange(s, e) for s, e in zip(starts, self.ends, strict=True)])
-        self.positions = positions
-        self.write_pages = torch.tensor(
+        self.positions = positions  # on the host: RoPE's angles are computed there
+        self.ends_tensor = torch.tensor(self.ends, dtype=torch.int64).to(dev, non_blocking=True)
+        write_pages = torch.tensor(
             [
                 page_tables[b][p // page_size]
                 for b in range(self.batch)
@@ -64,11 +72,12 @@ class PagedKV:
             ],
             dtype=torch.int64,
         )
-        self.write_slots = positions % page_size
+        self.write_pages = write_pages.to(dev, non_blocking=True)
+        self.write_slots = (positions % page_size).to(dev, non_blocking=True)
         need = [-(-e // page_size) for e in self.ends]
         width = max(need)
         # Padding entries repeat a page the request owns: always a valid index, and masked out.
-        self.gather = torch.tensor(
+        gather = torch.tensor(
             [
                 list(page_tables[b][: need[b]]) + [page_tables[b][0]] * (width - need[b])
                 for b in range(self.batch)
@@ -79,16 +88,23 @@ class PagedKV:
         # The pool as rows of one page's K (or V) for one layer: row (page * layers + layer) * 2 + kv.
         layers = pool.shape[1]
         self.rows_view = pool.view(pool.shape[0] * layers * 2, -1)
-        base = self.gather * (layers * 2)
-        self.page_rows = torch.stack((base, base + 1))  # (2, B, width): K rows, V rows of layer 0
+        base = gather * (layers * 2)
+        self.page_rows = torch.stack((base, base + 1)).to(dev, non_blocking=True)  # (2, B, width)
         self.single_rows = all(n == 1 for n in counts)
         offsets = torch.tensor([0, *counts], dtype=torch.int64).cumsum(0)
-        self.offsets = offsets
+        self.offsets = offsets  # on the host: `last_rows` is moved by the forward with the tokens
         self.max_rows = max(counts)
         if not self.single_rows and self.batch > 1:
             # Row r of the flat batch sits at (request, index within the request) in a padded grid.
-            self.grid_b = torch.repeat_interleave(torch.arange(self.batch), torch.tensor(list(counts)))
-            self.grid_i = torch.arange(int(offsets[-1])) - offsets[:-1][self.grid_b]
+            grid_b = torch.repeat_interleave(torch.arange(self.batch), torch.tensor(list(counts)))
+            grid_i = torch.arange(int(offsets[-1])) - offsets[:-1][grid_b]
+            # Each grid row's query position; padding rows repeat their request's last position.
+            q_pos = torch.tensor(self.ends)[:, None] - 1 + torch.zeros(1, self.max_rows, dtype=torch.int64)
+            q_pos[grid_b, grid_i] = positions
+            key_pos = torch.arange(self.key_len)
+            mask = key_pos[None, None, None, :] <= q_pos[:, None, :, None]  # (B, 1, rows, L)
+            self.grid_b, self.grid_i = grid_b.to(dev, non_blocking=True), grid_i.to(dev, non_blocking=True)
+            self.mask = mask.to(dev, non_blocking=True)
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         dtype = self.pool.dtype
@@ -113,11 +129,7 @@ class PagedKV:
             # One query per request: its last new position sees every key up to it.
             return attend_last(q, k, v, self.ends_tensor)
         k, v = k.transpose(1, 2), v.transpose(1, 2)  # (B, kv_heads, L, head_dim)
-        key_pos = torch.arange(self.key_len)
         grid = q.new_zeros((b, self.max_rows, *q.shape[1:]))
         grid[self.grid_b, self.grid_i] = q
-        q_pos = torch.tensor(self.ends)[:, None] - 1 + torch.zeros(1, self.max_rows, dtype=torch.int64)
-        q_pos[self.grid_b, self.grid_i] = self.positions  # padding rows repeat the last position
-        mask = key_pos[None, None, None, :] <= q_pos[:, None, :, None]  # (B, 1, rows, L)
-        out = F.scaled_dot_product_attention(grid.transpose(1, 2), k, v, attn_mask=mask, enable_gqa=True)
+        out = F.scaled_dot_product_attention(grid.transpose(1, 2), k, v, attn_mask=self.mask, enable_gqa=True)
         return out.transpose(1, 2)[self.grid_b, self.grid_i].reshape(q.shape[0], -1)

@@ -107,12 +107,15 @@ class _Block:
 
 
 class LlamaModel:
-    """A Llama-family decoder, CPU, no autograd; forward passes over contiguous or paged K/V.
+    """A Llama-family decoder, no autograd; forward passes over contiguous or paged K/V.
 
     `eos_token_ids` are the tokens that end a generation (empty for random weights). `kv_dtype`
     is the dtype K/V is kept in (a name from `KV_DTYPES`; default: the model's own dtype): each
     layer's new K and V are rounded to it when stored, and attention reads them back from it, so
-    a pool of that dtype holds exactly what every later position attended to.
+    a pool of that dtype holds exactly what every later position attended to. `device` is where
+    the weights live and the forward runs (`runtime/model/device.py`); K/V pools handed to the
+    paged calls must be there too. Token ids, positions and page tables come in as host values
+    and go back as logits on the device: the callers sample there.
     """
 
     def __init__(
@@ -122,6 +125,7 @@ class LlamaModel:
         *,
         eos_token_ids: Iterable[int] = (),
         kv_dtype: str | None = None,
+        device: str | torch.device = "cpu",
     ) -> None:
         if not isinstance(config, LlamaConfig):
             raise TypeError(f"config: expected a LlamaConfig, got {type(config).__name__}")
@@ -131,6 +135,8 @@ class LlamaModel:
         if kv_name not in KV_DTYPES:
             raise ValueError(f"kv_dtype: expected one of {sorted(KV_DTYPES)}, got {kv_dtype!r}")
         self.config = config
+        self.device = torch.device(device)
+        weights = weights.to(self.device)
         self.kv_dtype_name: str = kv_name
         self.kv_dtype: torch.dtype = KV_DTYPES[kv_name]
         self.eos_token_ids: frozenset[int] = frozenset(int(t) for t in eos_token_ids)
@@ -203,6 +209,7 @@ class LlamaModel:
         q_width, kv_width = cfg.q_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
         n = tokens.shape[0]
         cos, sin = self._rope(positions)
+        tokens, last = tokens.to(self.device, non_blocking=True), last.to(self.device, non_blocking=True)
         x = self._embed[tokens]  # (n, hidden)
         for index, layer in enumerate(self._blocks):
             h = rms_norm(x, layer.attn_norm, cfg.rms_eps)
@@ -235,10 +242,11 @@ class LlamaModel:
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # Angles are computed per position from exact integer positions, so a position gets the
         # same rotation whether it is reached in one pass, in pieces, or in any batch.
-        angles = torch.outer(positions.to(torch.float64), self._inv_freq)
+        # On the host, whatever the device: the same float64 arithmetic everywhere.
+        angles = torch.outer(positions.cpu().to(torch.float64), self._inv_freq)
         angles = torch.cat((angles, angles), dim=-1)[:, None, :]  # (n, 1, head_dim)
-        dtype = self.config.torch_dtype
-        return torch.cos(angles).to(dtype), torch.sin(angles).to(dtype)
+        dtype, dev = self.config.torch_dtype, self.device
+        return torch.cos(angles).to(dev, dtype), torch.sin(angles).to(dev, dtype)
 
     # -- one sequence, contiguous K/V ------------------------------------------------------------
 
@@ -265,10 +273,12 @@ class LlamaModel:
         n = tokens.shape[0]
         if rows_from is not None and not 0 <= rows_from < n:
             raise ValueError(f"rows_from: expected 0 <= rows_from < {n} (the new tokens), got {rows_from}")
-        kv_new = torch.empty(cfg.kv_shape(n), dtype=self.kv_dtype)
+        kv_new = torch.empty(cfg.kv_shape(n), dtype=self.kv_dtype, device=self.device)
         positions = torch.arange(past_len, past_len + n)
-        rows = torch.tensor([n - 1]) if rows_from is None else torch.arange(rows_from, n)
-        logits = self._run(tokens, positions, ContiguousKV(past_kv, past_len, kv_new), rows)
+        first = n - 1 if rows_from is None else rows_from
+        logits = self._run(
+            tokens, positions, ContiguousKV(past_kv, past_len, kv_new, first), torch.arange(first, n)
+        )
         return kv_new, (logits[0] if rows_from is None else logits)
 
     def _check_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -294,10 +304,12 @@ class LlamaModel:
         if not isinstance(past_kv, torch.Tensor):
             raise TypeError(f"past_kv: expected a torch.Tensor or None, got {type(past_kv).__name__}")
         length = past_kv.shape[2] if past_kv.dim() == 5 else -1
-        if tuple(past_kv.shape) != cfg.kv_shape(length) or past_kv.dtype != self.kv_dtype:
+        wrong = past_kv.dtype != self.kv_dtype or past_kv.device != self.device
+        if tuple(past_kv.shape) != cfg.kv_shape(length) or wrong:
             raise ValueError(
-                f"past_kv: expected shape {cfg.kv_shape(-1)} with -1 the past length and dtype "
-                f"{self.kv_dtype}, got shape {tuple(past_kv.shape)} dtype {past_kv.dtype}"
+                f"past_kv: expected shape {cfg.kv_shape(-1)} with -1 the past length, dtype "
+                f"{self.kv_dtype} on {self.device}, got shape {tuple(past_kv.shape)} dtype "
+                f"{past_kv.dtype} on {past_kv.device}"
             )
         if past_len is not None and past_len != length:
             raise ValueError(f"past_len: expected the length of past_kv ({length}), got {past_len}")
@@ -358,7 +370,7 @@ class LlamaModel:
         pages in place, and the logits `(B, vocab)` of each request's last new token come back.
         Every argument is checked first (`check_paged`): a `ValueError` names the bad one.
         """
-        rows = check_paged(self.config, pool, page_tables, starts, tokens, self.kv_dtype)
+        rows = check_paged(self.config, pool, page_tables, starts, tokens, self.kv_dtype, self.device)
         flat = torch.tensor([t for row in rows.tokens for t in row], dtype=torch.int64)
         return self._paged(pool, rows.tables, rows.starts, [len(t) for t in rows.tokens], flat, on_layer)
 
@@ -381,7 +393,7 @@ class LlamaModel:
         of the node's own, one per request, and positions are the node's count of each request's
         K/V, covered by its page table. Values nobody vouched for go through `forward_paged`.
         """
-        check_pool(self.config, pool, self.kv_dtype)
+        check_pool(self.config, pool, self.kv_dtype, self.device)
         if not isinstance(tokens, Sequence | torch.Tensor):
             raise TypeError(f"tokens: expected a sequence of ints, got {type(tokens).__name__}")
         check_batch_size(page_tables, positions, tokens)
@@ -420,6 +432,12 @@ class LlamaModel:
 class TinyModel(LlamaModel):
     """Seeded random weights: the exact tests' model. Equal configs give bit-identical weights."""
 
-    def __init__(self, config: TinyConfig | None = None, *, kv_dtype: str | None = None) -> None:
+    def __init__(
+        self,
+        config: TinyConfig | None = None,
+        *,
+        kv_dtype: str | None = None,
+        device: str | torch.device = "cpu",
+    ) -> None:
         cfg = config if config is not None else TinyConfig()
-        super().__init__(cfg, tiny_weights(cfg), kv_dtype=kv_dtype)
+        super().__init__(cfg, tiny_weights(cfg), kv_dtype=kv_dtype, device=device)

@@ -36,6 +36,24 @@ class LlamaWeights:
     final_norm: torch.Tensor  # (hidden,)
     head: torch.Tensor  # (hidden, vocab)
 
+    def to(self, device: torch.device) -> LlamaWeights:
+        """The same weights on `device` (themselves when already there); a tied head stays a
+        view of the moved embedding, so a GPU holds the matrix once."""
+        if self.embed.device == device:
+            return self
+        embed = self.embed.to(device)
+        tied = self.head.data_ptr() == self.embed.data_ptr()
+
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device)
+
+        layers = tuple(
+            LlamaLayer(**{f.name: move(getattr(layer, f.name)) for f in attrs.fields(LlamaLayer)})
+            for layer in self.layers
+        )
+        head = embed.t() if tied else self.head.to(device)
+        return LlamaWeights(embed=embed, layers=layers, final_norm=self.final_norm.to(device), head=head)
+
 
 def build_layer(
     config: LlamaConfig,

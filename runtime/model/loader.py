@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import attrs
+import torch
 
 from hicache.runtime.model.llama import KV_DTYPES, MODEL_DTYPES, LlamaModel
 from hicache.runtime.model.model_file import default_model_path
@@ -27,13 +28,20 @@ class LoadedModel:
     source: Path
 
 
-def load_model(path: str | Path | None = None, *, dtype: str = "auto", kv_dtype: str = "auto") -> LoadedModel:
+def load_model(
+    path: str | Path | None = None,
+    *,
+    dtype: str = "auto",
+    kv_dtype: str = "auto",
+    device: str | torch.device = "cpu",
+) -> LoadedModel:
     """The model at `path` (a `.gguf` file, or a directory with config.json + *.safetensors and
     tokenizer.json); None loads the default model.
 
     `dtype` is what the model computes in: "auto" is the checkpoint's own (bfloat16 for the
     default model: a quantized GGUF is dequantized to bfloat16), else a name from
-    `MODEL_DTYPES`. `kv_dtype` is what its K/V is kept in ("auto": `dtype`)."""
+    `MODEL_DTYPES`. `kv_dtype` is what its K/V is kept in ("auto": `dtype`). The weights are
+    read on the host and moved to `device` once."""
     if dtype != "auto" and dtype not in MODEL_DTYPES:
         raise ValueError(f"dtype: expected 'auto' or one of {sorted(MODEL_DTYPES)}, got {dtype!r}")
     if kv_dtype != "auto" and kv_dtype not in KV_DTYPES:
@@ -66,5 +74,6 @@ def load_model(path: str | Path | None = None, *, dtype: str = "auto", kv_dtype:
         weights,
         eos_token_ids=tokenizer.eos_token_ids,
         kv_dtype=None if kv_dtype == "auto" else kv_dtype,
+        device=device,
     )
     return LoadedModel(model=model, tokenizer=tokenizer, source=source)

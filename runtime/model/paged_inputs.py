@@ -29,9 +29,11 @@ class PagedRows:
     tokens: list[list[int]]
 
 
-def check_pool(config: LlamaConfig, pool: torch.Tensor, kv_dtype: torch.dtype) -> None:
+def check_pool(
+    config: LlamaConfig, pool: torch.Tensor, kv_dtype: torch.dtype, device: torch.device | None = None
+) -> None:
     """`pool` is a contiguous `(num_pages, layers, 2, page_size, kv_heads, head_dim)` tensor of
-    the model's K/V dtype; O(1), so every forward checks it."""
+    the model's K/V dtype, on the model's `device`; O(1), so every forward checks it."""
     if not isinstance(pool, torch.Tensor) or pool.dim() != 6:
         got = tuple(pool.shape) if isinstance(pool, torch.Tensor) else type(pool).__name__
         raise ValueError(
@@ -43,6 +45,8 @@ def check_pool(config: LlamaConfig, pool: torch.Tensor, kv_dtype: torch.dtype) -
             f"pool: expected a contiguous (num_pages, {', '.join(map(str, want))}) tensor of "
             f"{kv_dtype} (page_size {pool.shape[3]}), got {tuple(pool.shape)} {pool.dtype}"
         )
+    if device is not None and pool.device != device:
+        raise ValueError(f"pool: expected a pool on the model's device {device}, got one on {pool.device}")
 
 
 def check_batch_size(
@@ -64,10 +68,11 @@ def check_paged(
     starts: Sequence[int],
     tokens: Sequence[Sequence[int]],
     kv_dtype: torch.dtype,
+    device: torch.device | None = None,
 ) -> PagedRows:
     """`(page_tables, starts, tokens)` checked against `config` and `pool`, as plain ints (numpy
     or torch ints accepted); a `ValueError` names the first bad argument."""
-    check_pool(config, pool, kv_dtype)
+    check_pool(config, pool, kv_dtype, device)
     check_batch_size(page_tables, starts, tokens)
     num_pages, page_size = pool.shape[0], pool.shape[3]
     out = PagedRows([], [], [])

@@ -87,7 +87,7 @@ def _sample_row(logits: torch.Tensor, params: Knobs, u: float) -> int:
         keep = min(keep, int((probs >= params.min_p * probs[0]).sum()))
     keep = max(keep, 1)
     cumulative = torch.cumsum(probs[:keep], dim=0)
-    target = torch.tensor([u * float(cumulative[-1])], dtype=torch.float64)
+    target = torch.tensor([u * float(cumulative[-1])], dtype=torch.float64, device=cumulative.device)
     index = min(int(torch.searchsorted(cumulative, target, right=True)), keep - 1)
     return int(order[index])
 
@@ -130,13 +130,16 @@ def sample(
     return out
 
 
-def _counts(seqs: Sequence[Sequence[int]], vocab: int, dtype: torch.dtype) -> torch.Tensor:
-    """(len(seqs), vocab): how often each token occurs in each sequence, in one scatter."""
+def _counts(
+    seqs: Sequence[Sequence[int]], vocab: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """(len(seqs), vocab) on `device`: how often each token occurs in each sequence, in one scatter."""
     lengths = torch.tensor([len(q) for q in seqs], dtype=torch.int64)
     flat = torch.tensor(list(itertools.chain.from_iterable(seqs)), dtype=torch.int64)
     rows = torch.repeat_interleave(torch.arange(len(seqs)), lengths)
-    out = torch.zeros((len(seqs), vocab), dtype=dtype)
-    return out.index_put_((rows, flat), torch.ones(flat.shape, dtype=dtype), accumulate=True)
+    out = torch.zeros((len(seqs), vocab), dtype=dtype, device=device)
+    at = (rows.to(device), flat.to(device))
+    return out.index_put_(at, torch.ones(flat.shape, dtype=dtype, device=device), accumulate=True)
 
 
 def adjust(
@@ -156,24 +159,24 @@ def adjust(
     rows = [b for b, p in enumerate(params) if p.penalized]
     if not rows:
         return logits
-    vocab, dtype = logits.shape[1], logits.dtype
-    index = torch.tensor(rows, dtype=torch.int64)
+    vocab, dtype, dev = logits.shape[1], logits.dtype, logits.device
+    index = torch.tensor(rows, dtype=torch.int64, device=dev)
     sub = logits[index].clone()
 
     def column(name: str) -> torch.Tensor:
-        return torch.tensor([getattr(params[b], name) for b in rows], dtype=dtype)[:, None]
+        return torch.tensor([getattr(params[b], name) for b in rows], dtype=dtype, device=dev)[:, None]
 
     rep = column("repetition_penalty")
-    if bool((rep != 1.0).any()):
-        seen = _counts([[*prompts[b], *outputs[b]] for b in rows], vocab, dtype) > 0
+    if any(params[b].repetition_penalty != 1.0 for b in rows):
+        seen = _counts([[*prompts[b], *outputs[b]] for b in rows], vocab, dtype, dev) > 0
         sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
-    counts = _counts([outputs[b] for b in rows], vocab, dtype)
+    counts = _counts([outputs[b] for b in rows], vocab, dtype, dev)
     sub = sub - column("frequency_penalty") * counts - column("presence_penalty") * (counts > 0).to(dtype)
     pairs = [(r, t, bias) for r, b in enumerate(rows) for t, bias in params[b].logit_bias]
     if pairs:
         r, t, bias = zip(*pairs, strict=True)
-        at = (torch.tensor(r, dtype=torch.int64), torch.tensor(t, dtype=torch.int64))
-        sub.index_put_(at, torch.tensor(bias, dtype=dtype), accumulate=True)
+        at = (torch.tensor(r, dtype=torch.int64, device=dev), torch.tensor(t, dtype=torch.int64, device=dev))
+        sub.index_put_(at, torch.tensor(bias, dtype=dtype, device=dev), accumulate=True)
     out = logits.clone()
     out[index] = sub
     return out
@@ -193,10 +196,12 @@ def logprobs(
     out: list[TokenLogprob | None] = [None] * len(params)
     if not rows:
         return out
-    index = torch.tensor(rows, dtype=torch.int64)
+    dev = logits.device
+    index = torch.tensor(rows, dtype=torch.int64, device=dev)
     lp = torch.log_softmax(logits[index].to(torch.float64), dim=1)
     lp = torch.nan_to_num(lp, neginf=FLOOR_LOGPROB)
-    picked = lp.gather(1, torch.tensor([chosen[b] for b in rows], dtype=torch.int64)[:, None])[:, 0].tolist()
+    wanted = torch.tensor([chosen[b] for b in rows], dtype=torch.int64, device=dev)[:, None]
+    picked = lp.gather(1, wanted)[:, 0].tolist()
     k = max(params[b].top_logprobs for b in rows)
     top_ids: list[list[int]] = [[] for _ in rows]
     top_lp: list[list[float]] = [[] for _ in rows]

@@ -86,7 +86,11 @@ def shard_model(
         head=w.head,
     )
     part = LlamaModel(
-        shard_config(full, size), weights, eos_token_ids=model.eos_token_ids, kv_dtype=model.kv_dtype_name
+        shard_config(full, size),
+        weights,
+        eos_token_ids=model.eos_token_ids,
+        kv_dtype=model.kv_dtype_name,
+        device=model.device,
     )
     part.reduce = reduce
     part.full_config = full

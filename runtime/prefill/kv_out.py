@@ -69,7 +69,9 @@ class KVOut:
 
     def _copy(self, a: int, b: int, lo: int, hi: int, pages: torch.Tensor) -> None:
         if b > a:
-            self.staging[self.idx[a:b], lo:hi] = pages[:, :, :, :, self.part].to(self.staging.dtype)
+            # Pages computed on a GPU come to the host staging pool here (one copy per piece).
+            part = pages[:, :, :, :, self.part].to(self.staging.device, self.staging.dtype)
+            self.staging[self.idx[a:b], lo:hi] = part
 
     def stage(self, a: int, b: int, lo: int, hi: int, pages: torch.Tensor, *, final: bool = False) -> None:
         """Stage `pages` (layers [lo, hi) of pages [a, b)) and queue their WRITE (in trio)."""

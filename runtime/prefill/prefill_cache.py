@@ -170,8 +170,13 @@ class PrefillCache:
         compute)."""
         self.model = model
         self.layout = layout
-        self.l1 = KVPool(layout, l1_pages, name="prefill-L1", lazy=True)
-        self.l2 = KVPool(layout, l2_pages, name="prefill-L2", lazy=True) if l2_pages > 0 else None
+        # L1 is where the model computes (its pages are the forward's K/V); L2 and the pages
+        # read from L3 stay in host memory.
+        self.l1 = KVPool(layout, l1_pages, device=model.device, name="prefill-L1", lazy=True)
+        pinned = self.l1.is_cuda  # pinned only where it makes L1 <-> L2 copies asynchronous DMA
+        self.l2 = (
+            KVPool(layout, l2_pages, pinned=pinned, name="prefill-L2", lazy=True) if l2_pages > 0 else None
+        )
         self.planner = PrefillPlanner(
             "prefill", l1_pages, l2_pages, layout.page_size, eviction=eviction, copy_backup=self._copy_backup
         )
@@ -244,7 +249,8 @@ class PrefillCache:
             if h:  # L2 -> L1: the tree takes these slots back on insert
                 assert self.l2 is not None
                 src = torch.tensor(plan.host_slots, dtype=torch.int64)
-                self.l1.data[torch.tensor(table[d : d + h], dtype=torch.int64)] = self.l2.data[src]
+                pages = self.l2.data[src].to(self.l1.device)
+                self.l1.data[torch.tensor(table[d : d + h], dtype=torch.int64)] = pages
             read = await self._read_l3(keys[d + h : d + h + l3], table[d + h : d + h + l3]) if l3 else 0
         except BaseException:
             planner.finish(plan, time.monotonic(), insert=False)
@@ -314,7 +320,7 @@ class PrefillCache:
         if self.l2 is None or not c.device_slots:
             return False
         dst = torch.tensor(c.host_slots, dtype=torch.int64)
-        self.l2.data[dst] = self.l1.data[torch.tensor(c.device_slots, dtype=torch.int64)]
+        self.l2.data[dst] = self.l1.data[torch.tensor(c.device_slots, dtype=torch.int64)].cpu()
         return True
 
     async def _l3_pages(self, plan: PrefillPlan) -> int:
@@ -342,7 +348,14 @@ class PrefillCache:
         assert self.store is not None
         began = time.perf_counter()
         try:
-            got = await self.store.get(keys, self.l1, slots)
+            if self.l1.is_cuda:  # a store reads into host memory: through a bounce pool
+                bounce = KVPool(self.layout, len(keys), name="prefill-L3-read")
+                got = max(0, min(int(await self.store.get(keys, bounce, list(range(len(keys))))), len(keys)))
+                if got:
+                    at = torch.tensor(slots[:got], dtype=torch.int64)
+                    self.l1.data[at] = bounce.data[:got].to(self.l1.device)
+            else:
+                got = await self.store.get(keys, self.l1, slots)
         except Exception as exc:  # a store fault is a miss, never a failed request
             log.warning("L3 read failed, computing instead: %s: %s", type(exc).__name__, exc)
             got = 0

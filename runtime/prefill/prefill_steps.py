@@ -304,7 +304,8 @@ class Stepper:
                 p.out.stage(0, held - p.first, 0, self.layers, self.cache.pages(p.work, p.first, held))
         else:
             self.uncached += 1
-            p.plain = torch.empty(self.model.config.kv_shape(n), dtype=self.model.config.torch_dtype)
+            model = self.model
+            p.plain = torch.empty(model.config.kv_shape(n), dtype=model.kv_dtype, device=model.device)
         self.sched.start(p.key, p.start, n)
 
     def _finish(self, p: Prompt) -> Prefilled:

@@ -1,11 +1,16 @@
 """A transfer engine over plain TCP, in pure trio: the engine for hosts without NIXL/UCX.
 
 Each engine listens on `(host, port)`; `local_info()` carries the address, the engine name and
-the registered regions. Pages move straight between the socket and the registered tensor's
-memory: no staging copy. The engine is in parts: the wire format and one connection's I/O
-(`tcp_wire.py`), the handshake that proves the cluster secret (`tcp_handshake.py`), the target
-side that serves peers' WRITEs and READs and fences them (`tcp_target.py`), and here the engine
-itself, its peers and the initiator side of each transfer.
+the registered regions. Pages of a host region move straight between the socket and the
+registered tensor's memory: no staging copy. A socket cannot reach device memory, so a region on
+a GPU (a decode node's L1 pool) is staged: its pages pass through a host staging buffer the size
+of one transfer, and they count as arrived (ACK, notification, READ_DONE) only once the copy into
+the region has completed (`tcp_wire.Staging`).
+
+The engine is in parts: the wire format and one connection's I/O (`tcp_wire.py`), the handshake
+that proves the cluster secret (`tcp_handshake.py`), the target side that serves peers' WRITEs
+and READs and fences them (`tcp_target.py`), and here the engine itself, its peers and the
+initiator side of each transfer.
 
 Peers. An engine serves only the peers it was told about with `add_peer` — a node adds the peer
 its authenticated control connection introduced, and `remove_peer`s it once that connection has
@@ -54,6 +59,7 @@ from hicache.runtime.transfer.base import (
     XferState,
     host_pages,
     open_request,
+    tensor_geometry,
 )
 from hicache.runtime.transfer.tcp_handshake import HandshakeTimeout, initiate
 from hicache.runtime.transfer.tcp_target import Target
@@ -66,6 +72,7 @@ from hicache.runtime.transfer.tcp_wire import (
     Msg,
     ProtocolError,
     Region,
+    Staging,
     encode_header,
     error_text,
 )
@@ -88,10 +95,11 @@ class TcpEngine:
 
     `host` is the address it listens on and, unless `advertise` names another (a node bound to
     every interface has to give peers an address they can dial), the one `local_info()` tells
-    peers to dial; `port=0` picks a free port and `local_info()` reports the bound one. Regions must be host
-    memory (CPU tensors or numpy arrays). `aclose()` (or leaving the `async with`) ends every
-    transfer in flight with `ERR`, closes all connections and makes `next_notif()` raise
-    `trio.EndOfChannel` once the queued notifications are read.
+    peers to dial; `port=0` picks a free port and `local_info()` reports the bound one. Regions are
+    host memory (CPU tensors or numpy arrays) or, staged, device memory (`register`). `aclose()`
+    (or leaving the `async with`) ends every transfer in flight with `ERR`, closes all
+    connections and makes `next_notif()` raise `trio.EndOfChannel` once the queued notifications
+    are read.
 
     Opening a connection (connect, HELLO, HELLO_ACK, AUTH) must finish within
     `handshake_timeout_s`, on both sides: a peer that accepts but never answers fails the
@@ -203,16 +211,44 @@ class TcpEngine:
 
     # -- regions and peers ---------------------------------------------------------------------
 
-    def register(self, name: str, tensor: torch.Tensor | np.ndarray) -> MemoryRegion:
-        """Expose a host page pool `[num_pages, ...]` (CPU tensor or numpy array) under `name`."""
+    def register(
+        self, name: str, tensor: torch.Tensor | np.ndarray, *, staged: bool | None = None
+    ) -> MemoryRegion:
+        """Expose a page pool `[num_pages, ...]` under `name`.
+
+        A host pool (CPU tensor or numpy array) is read and written in place. A staged one moves
+        its pages through host staging buffers (module notes), which is how a device pool (a
+        CUDA tensor) is served: `staged=None` stages exactly the pools not in host memory, and
+        `staged=True` stages a host pool too (the same code path, so it runs without a GPU).
+        """
         if not name or len(name.encode("utf-8")) > MAX_NAME_BYTES:
             raise ValueError(f"region name: expected 1..{MAX_NAME_BYTES} UTF-8 bytes, got {name!r}")
         if name in self._regions:
             raise ValueError(f"region {name!r} is already registered with {self._name}")
-        pages = host_pages(name, tensor)
-        region = MemoryRegion(name, 0, pages.shape[1], pages.shape[0])
-        self._regions[name] = Region(region, tensor, pages, DescList.for_region(region))
+        on_host = isinstance(tensor, np.ndarray) or tensor.device.type == "cpu"
+        if staged is None:
+            staged = not on_host
+        if not staged:
+            pages = host_pages(name, tensor)
+            region = MemoryRegion(name, 0, pages.shape[1], pages.shape[0])
+            self._regions[name] = Region(region, tensor, pages, DescList.for_region(region))
+            return region
+        if on_host:
+            host_pages(name, tensor)  # the same checks (contiguous, writable) as a host region
+        num_pages, page_bytes = tensor_geometry(name, tensor)
+        mem, dev = "DRAM", 0
+        if not isinstance(tensor, np.ndarray) and tensor.device.type == "cuda":
+            mem, dev = "VRAM", tensor.get_device()
+        region = MemoryRegion(name, 0, page_bytes, num_pages, mem, dev)
+        # Free staging buffers kept for reuse: at most what the largest transfer needs.
+        staging = Staging(tensor, region, keep_bytes=region.nbytes)
+        self._regions[name] = Region(region, tensor, None, DescList.for_region(region), staging)
         return region
+
+    def staging_allocations(self, region: MemoryRegion) -> int:
+        """How many staging buffers staged region `region` allocated so far (0: not staged)."""
+        staging = self._local(region).staging
+        return 0 if staging is None else staging.allocations
 
     def prepare(self, region: MemoryRegion) -> DescList:
         return self._local(region).descs
@@ -437,15 +473,16 @@ class TcpEngine:
         else:
             head = encode_header(Msg.WRITE_SPAN, xid, name, len(rp), span.length, len(notif))
             parts = [head, indices, SPAN.pack(span.offset, int(final)), notif]
-        try:
-            await conn.send([*parts, *reg.views(lp, span)])
-        except NET_ERRORS:
-            # The target may have refused the request and closed: report its reason if it sent one.
-            with trio.move_on_after(0.5):
-                f = await conn.recv_frame()
-                if f.type is Msg.ERROR:
-                    raise ProtocolError(f"refused: {await error_text(conn, f)}") from None
-            raise
+        async with reg.outgoing(lp, span) as views:
+            try:
+                await conn.send([*parts, *views])
+            except NET_ERRORS:
+                # The target may have refused the request and closed: report its reason if it sent one.
+                with trio.move_on_after(0.5):
+                    f = await conn.recv_frame()
+                    if f.type is Msg.ERROR:
+                        raise ProtocolError(f"refused: {await error_text(conn, f)}") from None
+                raise
         f = await conn.recv_frame()
         self._check_reply(f, xid, Msg.ACK)
         if f.type is Msg.ERROR:
@@ -476,7 +513,9 @@ class TcpEngine:
             raise ProtocolError(
                 f"READ_DATA of {f.count} x {f.page_bytes} bytes, expected {len(lp)} x {page_bytes}"
             )
-        await conn.recv_into(reg.views(lp))
+        with reg.incoming(lp) as arrival:
+            await conn.recv_into(arrival.views)
+            await arrival.land()  # READ_DONE tells the target (and its notification) we have them
         await conn.send([encode_header(Msg.READ_DONE, xid)])
         rec.finish(XferState.DONE)
 

@@ -2,31 +2,35 @@
 READs they carry, and the fences that stop a transfer given up on from writing here.
 
 - WRITE (name = target region, indices = target pages) carries the pages; the target writes them
-  into its region, queues the notification, then answers ACK.
+  into its region (a staged region: receives them into a staging buffer, then copies them into
+  the region and waits for that copy to complete), queues the notification, then answers ACK.
 - WRITE_SPAN writes one layer group's share of each page (KV streamed while prefill computes
   it): the notification is queued only when `final` is 1 (the transfer's last span); a
   non-final span's notif still tags it for `fence`.
 - READ (name = source region, indices = source pages) is answered by READ_DATA with the pages in
-  the requested order; once it has them all, the initiator sends READ_DONE and the target queues
-  the notification.
+  the requested order (a staged region: gathered into a staging buffer first); once it has them
+  all, the initiator sends READ_DONE and the target queues the notification.
 - Anything the target rejects (bad magic or version, unknown type or region, a HELLO from an
   engine it does not know, a wrong or missing AUTH, page_bytes that differ from the region's,
   more pages than the region has, an index out of range, a repeated destination page, a name or
   notification over its limit) is answered by ERROR (the message in the notif field) and the
   connection is closed. Every length is checked against its limit before anything is allocated
   or read, so a frame can never make the target allocate more than 4 bytes per page of the
-  region it addresses (the indices) plus `MAX_NOTIF_BYTES`; pages are received straight into
-  the region.
+  region it addresses (the indices) plus `MAX_NOTIF_BYTES`, and for a staged region a staging
+  buffer of the pages it carries (at most the region's size); pages of a host region are
+  received straight into the region.
 
 A connection that breaks mid-WRITE is discarded: no notification is queued, but the destination
-pages may already hold part of the new data, so a receiver must only use pages a notification
-vouches for.
+pages of a host region may already hold part of the new data, so a receiver must only use pages
+a notification vouches for (a staged region drops the staging buffer: nothing lands).
 
 Fences. A target that gives up on a transfer calls `fence(notif)` with the notification the
 WRITE carries: a WRITE of it still landing is cut off between two reads of its pages (ERROR,
 connection closed), one that arrives later is refused before any page byte is read, and once
-`fence` returns not another byte of it reaches the region. Only then may the target hand its
-pages to anything else. Fenced notifications are remembered for the engine's lifetime (one
+`fence` returns not another byte of it reaches the region. A staged WRITE fenced before its last
+byte arrived copies nothing into the region; one fenced while its staging buffer is being copied
+in ends that copy before `fence` returns, and is refused all the same. Only then may the target
+hand its pages to anything else. Fenced notifications are remembered for the engine's lifetime (one
 entry per transfer given up on).
 """
 
@@ -192,30 +196,40 @@ class Target:
 
     async def _serve_write(self, conn: Conn, peer: str, f: Frame) -> None:
         reg, idx, notif, span, final = await self._request(conn, f)
-        if not notif:
-            await conn.recv_into(reg.views(idx, span))
-        else:
-            if notif in self._fenced:
-                raise ProtocolError(f"WRITE {notif[:64]!r}: fenced (the target gave up on this transfer)")
-            if notif in self._landing:
-                raise ProtocolError(f"WRITE {notif[:64]!r}: a WRITE with this notification is landing")
-            landing = self._landing[notif] = _Landing()
-            try:
-                with landing.scope:
-                    await conn.recv_into(reg.views(idx, span))
-            finally:
-                del self._landing[notif]
-                landing.left.set()
-            if landing.scope.cancelled_caught:
-                raise ProtocolError(f"WRITE {notif[:64]!r}: fenced while landing")
-            if final:
-                self.notifs.put(peer, notif)
+        # A staged region's pages land only once `arrival.land()` returns (at once for a host
+        # region), and never when the WRITE breaks or is fenced before: the staging buffer is
+        # dropped on leaving `incoming`.
+        with reg.incoming(idx, span) as arrival:
+            if not notif:
+                await conn.recv_into(arrival.views)
+                await arrival.land()
+            else:
+                if notif in self._fenced:
+                    raise ProtocolError(f"WRITE {notif[:64]!r}: fenced (the target gave up on this transfer)")
+                if notif in self._landing:
+                    raise ProtocolError(f"WRITE {notif[:64]!r}: a WRITE with this notification is landing")
+                landing = self._landing[notif] = _Landing()
+                try:
+                    with landing.scope:
+                        await conn.recv_into(arrival.views)
+                    fenced = landing.scope.cancelled_caught
+                    if not fenced and arrival.staged:
+                        await arrival.land()
+                        fenced = landing.scope.cancel_called  # that fence waited for the copy
+                finally:
+                    del self._landing[notif]
+                    landing.left.set()
+                if fenced:
+                    raise ProtocolError(f"WRITE {notif[:64]!r}: fenced while landing")
+                if final:
+                    self.notifs.put(peer, notif)
         await conn.send([encode_header(Msg.ACK, f.xid)])
 
     async def _serve_read(self, conn: Conn, peer: str, f: Frame) -> None:
         reg, idx, notif, _, _ = await self._request(conn, f)
         head = encode_header(Msg.READ_DATA, f.xid, count=len(idx), page_bytes=reg.region.page_bytes)
-        await conn.send([head, *reg.views(idx)])
+        async with reg.outgoing(idx) as views:
+            await conn.send([head, *views])
         done = await conn.recv_frame()
         if done.type is not Msg.READ_DONE or done.xid != f.xid:
             raise ProtocolError(

@@ -13,16 +13,23 @@ indices come `offset u32 | final u32`. HELLO, HELLO_ACK and AUTH (the handshake,
 
 `Conn.recv_frame` checks a header before anything it announces is read: magic, version, type,
 the name's and notification's lengths against their limits, no pages or notification where the
-type carries none. Pages move straight between the socket and page memory (`sendmsg` /
-`recvmsg_into` over memoryviews of the pages, `Region.views`): no staging copy, and each syscall
-moves at most what the socket buffer holds, so the event loop never stalls long.
+type carries none. Pages of a host region move straight between the socket and page memory
+(`sendmsg` / `recvmsg_into` over memoryviews of the pages, `Region.views`): no staging copy, and
+each syscall moves at most what the socket buffer holds, so the event loop never stalls long.
+
+A staged region (`Staging`) is one the socket cannot reach: device memory (a decode node's L1 pool
+on its GPU). Its pages pass through a host staging buffer, pinned where CUDA is available, holding
+just the pages of one transfer: received there and then copied into the region, or gathered there
+from the region and then sent. `Region.incoming` and `Region.outgoing` hide which kind a region is.
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import select
 import struct
+from collections.abc import AsyncIterator, Iterator
 from typing import TYPE_CHECKING
 
 import attrs
@@ -42,6 +49,9 @@ SPAN = struct.Struct("<II")  # a WRITE_SPAN's offset into each page, and whether
 INDEX_DTYPE = np.dtype("<u4")
 # Buffers per sendmsg/recvmsg_into call (Linux IOV_MAX is 1024).
 IOV_BATCH = 256
+# At most this many bytes per strided (span) copy to or from a staged region: torch copies a
+# strided device view through a contiguous scratch copy, which an L1 pool's full GPU must fit.
+SPAN_SCRATCH_BYTES = 64 << 20
 # The handshake's fresh nonces and BLAKE2b-256 proofs (`tcp_handshake.py`), in bytes.
 NONCE_BYTES = 16
 MAC_BYTES = 32
@@ -201,20 +211,188 @@ class Conn:
 
 @attrs.define(eq=False)
 class Region:
-    """A registered page pool: its region, the tensor, and its pages as bytes for the socket."""
+    """A registered page pool: its region, the tensor, and its pages as bytes for the socket
+    (`pages`, a host region) or the staging that moves them (`staging`, a staged region)."""
 
     region: MemoryRegion
     tensor: torch.Tensor | np.ndarray
-    pages: np.ndarray  # uint8 [num_pages, page_bytes] sharing the tensor's memory
+    pages: np.ndarray | None  # uint8 [num_pages, page_bytes] sharing the tensor's memory
     descs: DescList
+    staging: Staging | None = None
 
     def views(self, idx: np.ndarray, span: Span | None = None) -> list[memoryview]:
         """Views of pages `idx` (of bytes `span` of each, if given), in that order."""
         pages = self.pages
+        assert pages is not None, "a staged region has no host pages to view"
         if span is None:
             return [memoryview(pages[i]) for i in idx.tolist()]
         lo, hi = span.offset, span.offset + span.length
         return [memoryview(pages[i, lo:hi]) for i in idx.tolist()]
+
+    @contextlib.contextmanager
+    def incoming(self, idx: np.ndarray, span: Span | None = None) -> Iterator[Arrival]:
+        """Where pages `idx` (bytes `span` of each) of one transfer are to be received: the pages
+        themselves, or a staging buffer that `Arrival.land` copies into them (returned on exit,
+        so pages never landed are simply dropped)."""
+        staging = self.staging
+        if staging is None or not len(idx):
+            yield Arrival(self.views(idx, span) if staging is None else [])
+            return
+        nbytes = len(idx) * (span.length if span is not None else self.region.page_bytes)
+        buf = staging.take(nbytes)
+        try:
+            yield Arrival(staging.views(buf, nbytes), staging, buf, idx, span)
+        finally:
+            staging.give(buf)
+
+    @contextlib.asynccontextmanager
+    async def outgoing(self, idx: np.ndarray, span: Span | None = None) -> AsyncIterator[list[memoryview]]:
+        """Views to send pages `idx` (bytes `span` of each) from, in order: the pages themselves,
+        or a staging buffer they were gathered into (complete before this yields)."""
+        staging = self.staging
+        if staging is None or not len(idx):
+            yield self.views(idx, span) if staging is None else []
+            return
+        nbytes = len(idx) * (span.length if span is not None else self.region.page_bytes)
+        buf = staging.take(nbytes)
+        try:
+            await staging.gather(buf, idx, span)
+            yield staging.views(buf, nbytes)
+        finally:
+            staging.give(buf)
+
+
+@attrs.define(eq=False)
+class Arrival:
+    """Buffers to receive one transfer's pages into (`views`); for a staged region, `land` then
+    copies them from the staging buffer into the region."""
+
+    views: list[memoryview]
+    staging: Staging | None = None
+    buf: torch.Tensor | None = None
+    idx: np.ndarray | None = None
+    span: Span | None = None
+
+    @property
+    def staged(self) -> bool:
+        """Whether the pages arrive in a staging buffer (and `land` has a copy to make)."""
+        return self.staging is not None
+
+    async def land(self) -> None:
+        """Return once the received pages are in the region (at once for a host region). The copy
+        cannot be cancelled halfway; a cancellation that came meanwhile is raised afterwards, so
+        nothing is vouched for (ACK, notification) once the transfer is cut off."""
+        if self.staging is None or self.buf is None or self.idx is None:
+            return
+        await self.staging.scatter(self.buf, self.idx, self.span)
+        await trio.lowlevel.checkpoint_if_cancelled()
+
+
+class Staging:
+    """Moves a staged region's pages through host staging buffers (see the module notes).
+
+    Buffers are reused: `take` hands out the smallest free one that is big enough and allocates
+    (counted in `allocations`) only when none is; `give` keeps at most `keep_bytes` of free
+    buffers. A CUDA region copies on a side stream and waits on an event, polled so the event loop
+    never blocks; a host region (`staged=True`, which CI exercises) copies in place. Like NIXL's
+    one-sided transfers, the copies take no stream order: pages are handed to a transfer only
+    once nothing on the device still writes (source) or reads (destination) them.
+    """
+
+    def __init__(self, tensor: torch.Tensor | np.ndarray, region: MemoryRegion, keep_bytes: int) -> None:
+        import torch
+
+        t = torch.from_numpy(tensor) if isinstance(tensor, np.ndarray) else tensor.detach()
+        self.pages = t.reshape(-1).view(torch.uint8).reshape(region.num_pages, region.page_bytes)
+        self.stream = torch.cuda.Stream(self.pages.device) if self.pages.is_cuda else None
+        self.pin = torch.cuda.is_available()  # pinned buffers let CUDA copy asynchronously
+        self.keep_bytes = keep_bytes
+        self.allocations = 0
+        self._free: list[torch.Tensor] = []
+
+    @property
+    def kept_bytes(self) -> int:
+        """Bytes of free staging buffers kept for reuse."""
+        return sum(b.numel() for b in self._free)
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A uint8 host buffer of at least `nbytes` bytes, reused where one is free."""
+        import torch
+
+        fits = [i for i, b in enumerate(self._free) if b.numel() >= nbytes]
+        if fits:
+            return self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
+        self.allocations += 1
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+
+    def give(self, buf: torch.Tensor) -> None:
+        """Keep `buf` for reuse, dropping the smallest free buffers past `keep_bytes`."""
+        self._free.append(buf)
+        self._free.sort(key=lambda b: b.numel())
+        while self._free and self.kept_bytes > self.keep_bytes:
+            self._free.pop(0)
+
+    @staticmethod
+    def views(buf: torch.Tensor, nbytes: int) -> list[memoryview]:
+        """The first `nbytes` of `buf`, for the socket."""
+        return [memoryview(buf[:nbytes].numpy())]
+
+    async def scatter(self, buf: torch.Tensor, idx: np.ndarray, span: Span | None) -> None:
+        """Copy the staging rows into pages `idx`; returns once they are in the region."""
+        await self._copy(buf, idx, span, to_region=True)
+
+    async def gather(self, buf: torch.Tensor, idx: np.ndarray, span: Span | None) -> None:
+        """Copy pages `idx` into the staging rows, in order; returns once they are there."""
+        await self._copy(buf, idx, span, to_region=False)
+
+    async def _copy(self, buf: torch.Tensor, idx: np.ndarray, span: Span | None, *, to_region: bool) -> None:
+        """One copy per run of consecutive pages: whole pages need no device scratch memory (an
+        L1 pool fills its GPU), and a span's strided copy, which torch makes through a scratch
+        copy, is cut into pieces of at most `SPAN_SCRATCH_BYTES`. On CUDA it waits for the copies
+        even if cancelled meanwhile: until they completed, the staging buffer must not be reused."""
+        width = span.length if span is not None else self.pages.shape[1]
+        pages = self.pages if span is None else self.pages[:, span.offset : span.offset + width]
+        rows = buf[: len(idx) * width].view(len(idx), width)
+        most = len(idx) if span is None else max(1, SPAN_SCRATCH_BYTES // width)
+        pairs = [(pages[p : p + n], rows[r : r + n]) for p, r, n in _runs(idx, most)]
+        if not to_region:
+            pairs = [(dst, src) for src, dst in pairs]
+        if self.stream is None:
+            for dst, src in pairs:
+                dst.copy_(src)
+            return
+        import torch
+
+        done = torch.cuda.Event()
+        try:
+            with torch.cuda.stream(self.stream):
+                for dst, src in pairs:
+                    dst.copy_(src, non_blocking=True)
+        finally:
+            done.record(self.stream)
+            await _completed(done)
+
+
+async def _completed(event: torch.cuda.Event) -> None:
+    """Wait until `event` completed without blocking the event loop; shielded from cancellation
+    (memory a copy still uses must not be reused). Polls with a backoff of up to 1 ms."""
+    delay = 0.0
+    with trio.CancelScope(shield=True):
+        while not event.query():
+            await trio.sleep(delay)
+            delay = min(max(2 * delay, 20e-6), 1e-3)
+
+
+def _runs(idx: np.ndarray, most: int) -> list[tuple[int, int, int]]:
+    """Runs of consecutive pages in `idx`, each at most `most` long: `(first page, its position
+    in idx, length)`."""
+    if not len(idx):
+        return []
+    breaks = np.flatnonzero(np.diff(idx) != 1) + 1
+    out = []
+    for s, e in zip([0, *breaks.tolist()], [*breaks.tolist(), len(idx)], strict=True):
+        out += [(int(idx[a]), a, min(most, e - a)) for a in range(s, e, most)]
+    return out
 
 
 async def error_text(conn: Conn, f: Frame) -> str:
