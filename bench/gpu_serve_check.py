@@ -54,7 +54,6 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from functools import partial
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -62,7 +61,6 @@ from urllib.parse import urlsplit
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("TQDM_DISABLE", "1")  # transformers' GGUF conversion bar, read when tqdm loads
 import gpu_check as gc  # noqa: E402  (maps runtime/ to hicache.runtime in a bare checkout)
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import trio  # noqa: E402
 
@@ -368,36 +366,6 @@ class Reference:
 # ------------------------------------------------------------------------------------- sections
 
 
-async def host_load_back(
-    engine: CopyEngine, label: str, host: KVPool, dev: KVPool, counts: list[int], repeat: int
-) -> list[dict[str, Any]]:
-    """gpu_check.load_back for a device pool in host memory (it synchronises CUDA, which a CPU
-    machine lacks): the same timing and the same bit-exact check."""
-    rng = np.random.default_rng(len(label))
-    rows = []
-    for n in counts:
-        n = min(n, host.num_pages, dev.num_pages)
-        src = rng.choice(host.num_pages, n, replace=False)
-        dst = rng.choice(dev.num_pages, n, replace=False)
-        await engine.copy(host, src, dev, dst)
-        walls = [await gc.timed(partial(engine.copy, host, src, dev, dst)) for _ in range(repeat)]
-        dev.words_view().zero_()
-        await engine.copy(host, src, dev, dst)
-        nbytes = n * host.layout.page_bytes
-        rows.append(
-            {
-                "page": label,
-                "pages": n,
-                "mib": nbytes >> 20,
-                "best_gbps": gc.gbps(nbytes, min(walls)),
-                "median_gbps": gc.gbps(nbytes, statistics.median(walls)),
-                "best_ms": min(walls) * 1e3,
-                "bit_exact": gc.matches(dev, dst, src),
-            }
-        )
-    return rows
-
-
 async def copy_section(device: str, quick: bool) -> dict[str, Any]:
     """Load-back L2 -> L1 at 1 MiB and 8 MiB pages beside the plain host-to-device rate."""
     cuda = device.startswith("cuda")
@@ -421,10 +389,7 @@ async def copy_section(device: str, quick: bool) -> dict[str, Any]:
         host.words_view().copy_(dev.words_view())
         dev.words_view().zero_()
         sync(device)
-        if cuda:
-            rows += await gc.load_back(engine, label, host, dev, counts, repeat)
-        else:
-            rows += await host_load_back(engine, label, host, dev, counts, repeat)
+        rows += await gc.load_back(engine, label, host, dev, counts, repeat)
         del host, dev
         if cuda:
             torch.cuda.empty_cache()

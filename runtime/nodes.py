@@ -112,17 +112,16 @@ ModelSpec = TinyConfig | str  # the seeded tiny model, or "default" / a GGUF fil
 
 
 def build_model(
-    spec: ModelSpec, dtype: str = "auto", kv_dtype: str = "auto", device: torch.device | None = None
+    spec: ModelSpec, dtype: str = "auto", kv_dtype: str = "auto", device: str | torch.device = "cpu"
 ) -> tuple[LlamaModel, str]:
     """The model a node computes with (in `dtype`, K/V in `kv_dtype`; "auto": the checkpoint's
-    own) on `device` (default the CPU), and the name its page keys are salted with (pages of two
+    own) on `device`, and the name its page keys are salted with (pages of two
     models never share a key). A model that cannot be loaded is a `StartupError`."""
     kv = None if kv_dtype == "auto" else kv_dtype
-    where = torch.device("cpu") if device is None else device
     if isinstance(spec, TinyConfig):
         try:
             config = spec if dtype == "auto" else attrs.evolve(spec, dtype=dtype)
-            return TinyModel(config, kv_dtype=kv, device=where), "tiny"
+            return TinyModel(config, kv_dtype=kv, device=device), "tiny"
         except ValueError as exc:
             flag = "--kv-cache-dtype" if "kv_dtype" in str(exc) else "--dtype"
             raise StartupError(f"{flag}: not for the tiny model ({exc})") from exc
@@ -130,7 +129,7 @@ def build_model(
 
     try:
         path = None if spec == "default" else Path(spec)
-        loaded = load_model(path, dtype=dtype, kv_dtype=kv_dtype, device=where)
+        loaded = load_model(path, dtype=dtype, kv_dtype=kv_dtype, device=device)
     except (OSError, ValueError) as exc:
         raise StartupError(f"--model {spec}: cannot load it ({exc})") from exc
     config = loaded.model.config
@@ -342,8 +341,8 @@ def _prefill_flag(prefill: PrefillAddress | tuple[str, int]) -> str:
 
 
 def _tp_group(opts: DecodeOptions, model: LlamaModel) -> TPGroup | None:
-    # One GPU per rank: collectives on NCCL there, gloo on the CPU (`TPGroup`).
-    """This rank's TP group (rank 0 starts the others); None for a single-rank node."""
+    """This rank's TP group (rank 0 starts the others); None for a single-rank node. One GPU
+    per rank: collectives on NCCL there, gloo on the CPU (`TPGroup`)."""
     size, rank = opts.core.tp_size, opts.tp_rank
     if size == 1:
         return None

@@ -136,6 +136,8 @@ class LlamaModel:
             raise ValueError(f"kv_dtype: expected one of {sorted(KV_DTYPES)}, got {kv_dtype!r}")
         self.config = config
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # as a tensor's device reads
+            self.device = torch.device("cuda", torch.cuda.current_device())
         weights = weights.to(self.device)
         self.kv_dtype_name: str = kv_name
         self.kv_dtype: torch.dtype = KV_DTYPES[kv_name]

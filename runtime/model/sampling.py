@@ -166,8 +166,8 @@ def adjust(
     def column(name: str) -> torch.Tensor:
         return torch.tensor([getattr(params[b], name) for b in rows], dtype=dtype, device=dev)[:, None]
 
-    rep = column("repetition_penalty")
     if any(params[b].repetition_penalty != 1.0 for b in rows):
+        rep = column("repetition_penalty")
         seen = _counts([[*prompts[b], *outputs[b]] for b in rows], vocab, dtype, dev) > 0
         sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
     counts = _counts([outputs[b] for b in rows], vocab, dtype, dev)

@@ -348,14 +348,13 @@ class PrefillCache:
         assert self.store is not None
         began = time.perf_counter()
         try:
-            if self.l1.is_cuda:  # a store reads into host memory: through a bounce pool
-                bounce = KVPool(self.layout, len(keys), name="prefill-L3-read")
-                got = max(0, min(int(await self.store.get(keys, bounce, list(range(len(keys))))), len(keys)))
-                if got:
-                    at = torch.tensor(slots[:got], dtype=torch.int64)
-                    self.l1.data[at] = bounce.data[:got].to(self.l1.device)
-            else:
+            if not self.l1.is_cuda:
                 got = await self.store.get(keys, self.l1, slots)
+            else:  # a store reads into host memory: through a bounce pool, then to the device
+                bounce = KVPool(self.layout, len(keys), name="prefill-L3-read")
+                got = await self.store.get(keys, bounce, list(range(len(keys))))
+                at = torch.tensor(slots[:got], dtype=torch.int64)
+                self.l1.data[at] = bounce.data[:got].to(self.l1.device)
         except Exception as exc:  # a store fault is a miss, never a failed request
             log.warning("L3 read failed, computing instead: %s: %s", type(exc).__name__, exc)
             got = 0
