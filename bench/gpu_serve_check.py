@@ -598,9 +598,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if cuda and not torch.cuda.is_available():
         ap.error("--device cuda: torch sees no CUDA device")
     # Sizes: the CPU run must stay within a few minutes on 2 cores; L1 must hold 32 requests.
-    args.l1_pages = args.l1_pages or (256 if args.quick else 1024 if cuda else 384)
+    # --quick: 32 requests of <= 40 + 16 tokens and a 16-token reserve take 4 pages each, and a
+    # smaller L1 takes fewer filler tokens to push the conversation out of it.
+    args.l1_pages = args.l1_pages or (160 if args.quick else 1024 if cuda else 384)
+    args.reserve_tokens = 16 if args.quick else 64
     args.decode_tokens = args.decode_tokens or (16 if args.quick else 256 if cuda else 32)
-    args.ttft_tokens = args.ttft_tokens or (1000 if args.quick else 4000)
+    args.ttft_tokens = args.ttft_tokens or (600 if args.quick else 4000)
     args.ttft_repeats = args.ttft_repeats or (3 if cuda and not args.quick else 1)
     return args
 
@@ -613,7 +616,7 @@ def serve_flags(args: argparse.Namespace) -> list[str]:
         flags += ["--base-gpu-id", str(args.base_gpu_id)]
     if args.kv_cache_dtype != "auto":
         flags += ["--kv-cache-dtype", args.kv_cache_dtype]
-    return flags + ["--l1-pages", str(args.l1_pages), "--decode-reserve-tokens", "64"]
+    return flags + ["--l1-pages", str(args.l1_pages), "--decode-reserve-tokens", str(args.reserve_tokens)]
 
 
 def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:

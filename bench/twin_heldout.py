@@ -2,7 +2,7 @@
 with the recorder's defaults, then two what-ifs predicted from that recording and measured on
 the real node with the setting changed.
 
-    .venv/bin/python bench/twin_heldout.py --out /tmp/heldout [--order A,L1,L2,A]
+    .venv/bin/python bench/twin_heldout.py --out /tmp/heldout [--order A,L1,L1,A,L2,L2,A]
 
 The traffic: `--workers` threads of the `openai` package's completions API (raw prompts, not the
 chat API the tests use) take sessions from a queue; every session opens with one system prompt shared
@@ -11,7 +11,9 @@ are abandoned after one or two turns. Runs: A (the base: --l1-pages L1, --hicach
 L1 (--l1-pages L1_SMALL: a what-if that changes hits) and L2 (--hicache-ratio 3: a larger L2 that
 the base leaves unused, which should change nothing). The twin predicts L1 and L2 from the first
 A; each run's measured hit rate, per-tier tokens and TTFT are printed beside the predictions,
-with the twin's intervals, as JSON in OUT/summary.json.
+with the twin's intervals, as JSON in OUT/summary.json, and each what-if's real change (its runs'
+mean against the A runs' mean) beside the twin's with its interval (`checks`). The default
+order runs each what-if between two A runs: A B B A C C A.
 """
 
 from __future__ import annotations
@@ -121,10 +123,32 @@ def measured(trace: Path) -> dict[str, Any]:
     return twin.overall(rec, None)
 
 
+def compare(runs: list[dict[str, Any]], name: str, predicted: dict[str, Any]) -> dict[str, Any]:
+    """The real change of a what-if (its runs' mean against the A runs' mean: points of hit rate,
+    TTFT relative) beside the twin's change and interval, and whether the real one lies inside."""
+
+    def mean(run: str, key: str) -> float:
+        values = [r["measured"][key] for r in runs if r["run"] == run]
+        return sum(values) / len(values)
+
+    base, what = predicted["in_sample"], predicted["what_if"]
+    out: dict[str, Any] = {}
+    for key in ("hit_rate", "ttft_mean_s", "ttft_p90_s"):
+        a, b = mean("A", key), mean(name, key)
+        real = 100.0 * (b - a) if key == "hit_rate" else (b - a) / a
+        twin_change = (
+            100.0 * (what[key] - base[key]) if key == "hit_rate" else (what[key] - base[key]) / base[key]
+        )
+        low, high = predicted["change_intervals"].get(key) or (None, None)
+        inside = low is not None and low - 1e-9 <= real <= high + 1e-9
+        out[key] = {"real": real, "twin": twin_change, "interval": [low, high], "inside": inside}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--order", default="A,L1,L2,A")
+    ap.add_argument("--order", default="A,L1,L1,A,L2,L2,A")
     ap.add_argument("--l1", type=int, default=32)
     ap.add_argument("--l1-small", type=int, default=16)
     ap.add_argument("--workers", type=int, default=4)
@@ -161,8 +185,22 @@ def main() -> None:
             "clients": res.clients.doc() if res.clients else None,
             "what_if": res.what_if,
             "change_intervals": res.what_if_intervals,
+            "interval_replays": res.what_if_replays,
+            "calibration": res.calibration.to_dict(),
         }
-    summary = {"runs": runs, "predicted": predicted, "args": {k: str(v) for k, v in vars(args).items()}}
+    checks = {
+        name: compare(runs, name, predicted[name])
+        for name in predicted
+        if any(r["run"] == name for r in runs)
+    }
+    for name, check in checks.items():
+        print(f"{name}: " + json.dumps(check), flush=True)
+    summary = {
+        "runs": runs,
+        "predicted": predicted,
+        "checks": checks,
+        "args": {k: str(v) for k, v in vars(args).items()},
+    }
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     print(f"wrote {args.out / 'summary.json'}")
 

@@ -291,7 +291,7 @@ async def serve(
                 max_requests_per_tenant=per_tenant,
             )
             tpm = opts.max_tokens_per_minute_per_tenant
-            recorder = await _recorder(opts, name, decode_at, admin_key, len(prefill_at) or None)
+            recorder = await _recorder(opts, name, decode_at, admin_key, len(prefill_at) or None, admission)
             codec = Codec(tokenizer, special_tokens_in_content=opts.special_tokens_in_content)
             served = opts.served_model_names or (name,)
             app = create_app(
@@ -390,10 +390,16 @@ def _check_attached(
 
 
 async def _recorder(
-    opts: ServeOptions, name: str, decode_at: list[tuple[str, int]], key: str | None, prefill: int | None
+    opts: ServeOptions,
+    name: str,
+    decode_at: list[tuple[str, int]],
+    key: str | None,
+    prefill: int | None,
+    admission: Admission,
 ) -> TraceRecorder | None:
     """The trace recorder `--record-trace`/`--record-trace-dir` ask for, its header holding what
-    each decode node says it runs with; recording from the start with `--record-trace`."""
+    each decode node says it runs with and the front door's admission; recording from the start
+    with `--record-trace`."""
     if opts.record_trace is None and opts.record_trace_dir is None:
         return None
     configs = [await _node_config(host, port, key) for host, port in decode_at]
@@ -404,6 +410,11 @@ async def _recorder(
 
         prefill_cache = DEFAULT_CACHE_BYTES
     header = config_header(configs, prefill_nodes=prefill, router=router, prefill_cache_bytes=prefill_cache)
+    header["front_door"] = {
+        "max_running": admission.max_running,
+        "max_tokens": admission.slots.max_tokens,
+        "reserve_tokens": admission.reserve_tokens,
+    }
     allowed = opts.record_trace_dir or (opts.record_trace.parent if opts.record_trace else None)
     if opts.record_trace_dir is not None:
         try:

@@ -101,6 +101,7 @@ _SECTIONS: dict[str, tuple[type, dict[str, Check]]] = {
             "tick_interval": _number(0, above=True),
             "layerwise_transfer": _boolean,
             "transfer_groups": _integer(0),
+            "front_door_running": _integer(0),
         },
     ),
     "cache": (CacheSpec, {key: _check_of(s) for key, s in CACHE_SETTINGS.items()}),

@@ -139,6 +139,11 @@ class ClusterSpec:
     # streams KV; false: once prefill has ended. transfer_groups = 0: one group per model layer.
     layerwise_transfer: bool = True
     transfer_groups: int = 0
+    # A front door before the decode nodes, as `hicache serve` has (0: none): at most this many
+    # requests at the decode nodes, together holding at most their L1 (a request counts its
+    # prompt and min(output, decode_reserve_tokens); one alone always fits); the others wait
+    # at the door in arrival order, their pages unmatched and unlocked until they go in.
+    front_door_running: int = 0
 
 
 # [cache]: every `DecodeConfig` setting whose scenario key is `cache.<key>`, described once, in

@@ -38,6 +38,9 @@ class WorkItem:
     # Closed loop: sent this many seconds after the session's previous request is answered, and
     # `arrival` is only the open-loop schedule. None: it arrives at `arrival`.
     think: float | None = None
+    # Its prefill compute takes this many times what the cost model says (a twin's replays with
+    # jittered service times; 1 otherwise).
+    service_scale: float = 1.0
 
     def seed(self, model: str) -> int:
         """The page-key namespace: the model, salted by the tenant when there is one."""

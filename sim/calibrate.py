@@ -18,6 +18,14 @@ come from the recording itself, by least squares with non-negative coefficients:
   request restored from L3; x equal to u, as in a recording without prefill's own count) is
   left out and its rate stays the node's own setting.
 
+TTFT holds the time a request queued (on the decode node, then behind prefill's other work),
+which the replay simulates by itself: fitted into the costs, it would count twice and grow with
+the load. So where the recording carries the node's own phases (`phases` on a line: the waits,
+prefill's compute, the transfer), each request's waits come off its TTFT, prefill's rate and
+attention cost are fitted to the seconds its own forwards took, and the transfer's rate to the
+transfer's seconds; the first token's overhead and the restore rates are fitted to what is left.
+Fitted to its own time, a transfer is told from compute even where the two grow together.
+
 Both fits are robust by trimming (`robust_nnls`): a request more than 5 robust standard
 deviations from the fit (1.4826 x the median absolute deviation) is left out and the fit redone,
 at most a fifth of the requests. So one request that waited 147 s for a reason the cost model
@@ -63,6 +71,11 @@ class Sample:
     ttft_s: float | None
     tpot_s: float | None
     transferred: int | None = None  # prompt tokens whose KV crossed P->D (None: not recorded)
+    # The node's own account of the time to the prompt's KV (None: not recorded): seconds it
+    # waited (decode node, then prefill's queue), prefill's own forwards, the P->D transfer.
+    queued_s: float | None = None
+    compute_s: float | None = None
+    transfer_s: float | None = None
 
 
 @attrs.frozen(slots=True)
@@ -87,6 +100,10 @@ class Calibration:
     ttft_trimmed: int = 0  # requests left out of the TTFT fit as outliers
     tpot_trimmed: int = 0
     fallbacks: tuple[str, ...] = ()  # rates taken from the prior, since the recording had no signal
+    # Requests whose recorded phases the fit used: their waits taken off TTFT, prefill's rate
+    # fitted to its compute time and the transfer's to its transfer time (0: TTFT alone).
+    phased_rows: int = 0
+    queued_mean_s: float = 0.0  # the mean wait taken off those requests' TTFT
 
     def to_dict(self) -> dict[str, float | int | str | None]:
         return attrs.asdict(self)
@@ -165,7 +182,11 @@ def fit(samples: Sequence[Sample], prior: Calibration | None = None) -> Calibrat
     a, b = float(step[0]), float(step[1])
     tp_rms, tp_max = _residuals(a_tp, step, tpot)
     # The first token: prefill's (it computes the first output token), then the transfer's tail.
-    y = np.array([s.ttft_s for s in firsts], dtype=np.float64)
+    # Where the node recorded its phases, the waits come off TTFT (the replay queues on its own)
+    # and prefill's and the transfer's rates are fitted to their own measured times.
+    phased = np.array([s.queued_s is not None for s in firsts], dtype=bool)
+    queued = np.array([s.queued_s or 0.0 for s in firsts], dtype=np.float64)
+    y = np.array([s.ttft_s for s in firsts], dtype=np.float64) - queued
     columns = {
         "overhead": [1.0] * len(firsts),
         "computed": [float(s.computed) for s in firsts],
@@ -175,26 +196,31 @@ def fit(samples: Sequence[Sample], prior: Calibration | None = None) -> Calibrat
         "transferred": [float(s.transferred or 0) for s in firsts],
     }
     used = [k for k, v in columns.items() if k == "overhead" or sum(x > 0 for x in v) >= MIN_ROWS_PER_TERM]
-    # Transfers that always equal the computed tokens cannot be told from compute: no term.
+    fixed = _phase_rates(firsts, used)
+    # Transfers that always equal the computed tokens cannot be told from compute by TTFT alone.
     parted = sum(s.transferred is not None and s.transferred != s.computed for s in firsts)
-    if "transferred" in used and parted < MIN_ROWS_PER_TERM:
+    if "transferred" in used and "transferred" not in fixed and parted < MIN_ROWS_PER_TERM:
         used.remove("transferred")
-    coef, tt_kept = _fit_first_token(columns, used, y)
     fallbacks: tuple[str, ...] = ()
-    if coef.get("computed", 0.0) <= 0:
-        if prior is None:
-            raise ValueError(
-                "calibration: TTFT does not grow with the prompt tokens prefill computed, so no prefill "
-                "rate can be fitted (vary the prompt lengths, or record more requests)"
-            )
-        # Prefill's own terms from the prior; the rest fitted to what they leave unexplained.
-        fixed = {"computed": 1.0 / prior.prefill_tokens_per_s, "pairs": prior.prefill_attention_s}
+    if "computed" not in fixed:
+        coef, _ = _fit_first_token(columns, used, y)
+        if coef.get("computed", 0.0) <= 0:
+            if prior is None:
+                raise ValueError(
+                    "calibration: TTFT does not grow with the prompt tokens prefill computed, so no "
+                    "prefill rate can be fitted (vary the prompt lengths, or record more requests)"
+                )
+            # Prefill's own terms from the prior; the rest fitted to what they leave unexplained.
+            fixed |= {"computed": 1.0 / prior.prefill_tokens_per_s, "pairs": prior.prefill_attention_s}
+            fallbacks = ("prefill_tokens_per_s", "prefill_attention_s")
+    if fixed:
         known = sum(np.asarray(columns[k], dtype=np.float64) * v for k, v in fixed.items())
         rest = [k for k in used if k not in fixed]
         coef, tt_kept = _fit_first_token(columns, rest, y - known)
         coef |= fixed
-        used = [*rest, *fixed]
-        fallbacks = ("prefill_tokens_per_s", "prefill_attention_s")
+        used = [*rest, *(k for k in fixed if k not in rest)]
+    else:
+        coef, tt_kept = _fit_first_token(columns, used, y)
     a_tt = np.column_stack([columns[k] for k in used])
     tt_rms, tt_max = _residuals(a_tt, np.array([coef[k] for k in used]), y)
     return Calibration(
@@ -215,7 +241,35 @@ def fit(samples: Sequence[Sample], prior: Calibration | None = None) -> Calibrat
         ttft_trimmed=int(np.sum(~tt_kept)),
         tpot_trimmed=int(np.sum(~tp_kept)),
         fallbacks=fallbacks,
+        phased_rows=int(phased.sum()),
+        queued_mean_s=float(queued[phased].mean()) if phased.any() else 0.0,
     )
+
+
+def _phase_rates(firsts: Sequence[Sample], used: Sequence[str]) -> dict[str, float]:
+    """Prefill's and the transfer's rates fitted to the times the node recorded for them (robust,
+    with an intercept for each forward's or message's fixed cost, which the first token's
+    overhead takes up): prefill's compute `computed / rate + attention * pairs`, the transfer
+    `sx * transferred`. A term is fitted only when `MIN_ROWS_PER_TERM` requests recorded it
+    and its column varies; {} when the recording has no phases."""
+    out: dict[str, float] = {}
+    rows = [s for s in firsts if s.compute_s is not None]
+    computed = np.array([s.computed for s in rows], dtype=np.float64)
+    if len(rows) >= MIN_ROWS_PER_TERM and np.ptp(computed) > 0:
+        pairs = np.array([_pairs(s.computed, s.prompt - s.computed) for s in rows], dtype=np.float64)
+        names = ["computed", *(["pairs"] if "pairs" in used and np.ptp(pairs) > 0 else [])]
+        a = np.column_stack([np.ones_like(computed), computed, *([pairs] if "pairs" in names else [])])
+        coef, _ = robust_nnls(a, np.array([s.compute_s for s in rows], dtype=np.float64))
+        if coef[1] > 0:
+            out |= {"computed": float(coef[1]), "pairs": float(coef[2]) if "pairs" in names else 0.0}
+    if "transferred" in used:
+        rows = [s for s in firsts if s.transfer_s is not None and s.transferred is not None]
+        x = np.array([s.transferred for s in rows], dtype=np.float64)
+        if len(rows) >= MIN_ROWS_PER_TERM and np.ptp(x) > 0:
+            a = np.column_stack([np.ones_like(x), x])
+            coef, _ = robust_nnls(a, np.array([s.transfer_s for s in rows], dtype=np.float64))
+            out["transferred"] = float(coef[1])
+    return out
 
 
 def _fit_first_token(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 import attrs
@@ -51,6 +51,10 @@ class ClusterSetup:
     storage_capacity_pages: int = 0
     tick_interval: float = 0.002
     faults: FaultSpec | None = None  # injected into every decode node's operations
+    # The front door (`cluster.front_door_running`; 0: none): requests at the decode nodes at
+    # once, and the L1 tokens they may hold together (0: not counted).
+    door_max_running: int = 0
+    door_max_tokens: int = 0
 
 
 @attrs.define(slots=True)
@@ -118,6 +122,15 @@ class Cluster:
         self._on_record: Callable[[RequestRecord], None] | None = None
         self._tally: RunTally | None = None
         self._streamed = False
+        # The front door: requests waiting in arrival order (with their tokens), and the tokens
+        # of each request it let in; a request's arrival at the door, for its record.
+        self._door_queue: deque[tuple[WorkItem, int]] = deque()
+        self._door_held: dict[str, int] = {}
+        self._door_tokens = 0
+        self._door_arrival: dict[str, float] = {}
+        # When a list: each door event as (what, request, requests let in, their tokens) just
+        # after it, what being "arrive", "enter" or "leave" (for tests and traces).
+        self.door_log: list[tuple[str, str, int, int]] | None = None
 
     def run(
         self,
@@ -229,6 +242,46 @@ class Cluster:
             raise ValueError(
                 f"request {item.id} is closed-loop (think set), but the items came as an iterator"
             )
+        if self.setup.door_max_running <= 0:
+            self._dispatch(item, page, model)
+            return
+        self._door_arrival[item.id] = self.loop.now
+        self._door_note("arrive", item.id)
+        need = item.prompt_len + min(max(1, item.output_len), self.setup.decode.decode_reserve_tokens)
+        if not self._door_queue and self._door_fits(need):
+            self._door_enter(item, need)
+        else:
+            self._door_queue.append((item, need))
+
+    def _door_fits(self, need: int) -> bool:
+        """`hicache serve`'s admission (`runtime/serving/admission.py`): a free slot, and the
+        tokens, unless nothing runs."""
+        s = self.setup
+        if len(self._door_held) >= s.door_max_running:
+            return False
+        return not s.door_max_tokens or not self._door_held or self._door_tokens + need <= s.door_max_tokens
+
+    def _door_enter(self, item: WorkItem, need: int) -> None:
+        self._door_held[item.id] = need
+        self._door_tokens += need
+        self._door_note("enter", item.id)
+        self._dispatch(item, self.setup.decode.page_size, self.setup.model_name)
+
+    def _door_leave(self, rid: str) -> None:
+        """A request ended: the heads of the door's queue that fit now go in, in order."""
+        need = self._door_held.pop(rid, None)
+        if need is None:
+            return
+        self._door_tokens -= need
+        self._door_note("leave", rid)
+        while self._door_queue and self._door_fits(self._door_queue[0][1]):
+            self._door_enter(*self._door_queue.popleft())
+
+    def _door_note(self, what: str, rid: str) -> None:
+        if self.door_log is not None:
+            self.door_log.append((what, rid, len(self._door_held), self._door_tokens))
+
+    def _dispatch(self, item: WorkItem, page: int, model: str) -> None:
         keys = self._keys[item.id] if self._keys is not None else item.sequence_keys(page, model)
         seq = keys.tolist()
         prompt = tuple(seq[: item.prompt_len // page])  # the form the trees compare: converted once
@@ -241,7 +294,7 @@ class Cluster:
         self._items[item.id] = item
         self._nodes[item.id] = (p, d)
         node = self.prefill[p]
-        node.submit(PrefillJob(item.id, item.prompt_len, prompt, self.loop.now))
+        node.submit(PrefillJob(item.id, item.prompt_len, prompt, self.loop.now, scale=item.service_scale))
         live = LiveRequest(item.id, item.prompt_len, max(1, item.output_len), seq, self.loop.now, node)
         self.decode[d].arrive(live)
 
@@ -258,7 +311,8 @@ class Cluster:
         p, d = self._nodes.pop(live.rid)
         a = c.account  # where the prompt's KV came from (the last admission)
         ok = c.outcome == "finished"
-        ttft = live.first_token - live.arrival if live.first_token >= 0 else math.nan
+        arrival = self._door_arrival.pop(live.rid, live.arrival)  # at the front door, if any
+        ttft = live.first_token - arrival if live.first_token >= 0 else math.nan
         tpot = (
             (live.finished - live.first_token) / (live.output_len - 1)
             if ok and live.output_len > 1
@@ -268,7 +322,7 @@ class Cluster:
             id=live.rid,
             session=item.session,
             turn=item.turn,
-            arrival=live.arrival,
+            arrival=arrival,
             prefill_node=p,
             decode_node=d,
             prompt_tokens=item.prompt_len,
@@ -277,7 +331,7 @@ class Cluster:
             reason=c.reason,
             ttft_s=ttft,
             tpot_s=tpot,
-            e2e_s=live.finished - live.arrival,
+            e2e_s=live.finished - arrival,
             cached_l1=a.l1,
             cached_l2=a.l2,
             cached_l3=a.l3,
@@ -298,3 +352,4 @@ class Cluster:
             self._progress(1)
         if self.sessions is not None:
             self._schedule(self.sessions.answered(live.rid))
+        self._door_leave(live.rid)

@@ -47,6 +47,7 @@ class PrefillJob:
     compute_end: float = -1.0  # when compute will end (known once it starts)
     done_at: float = -1.0
     cached_tokens: int = 0  # of the prompt, not computed here
+    scale: float = 1.0  # its compute takes this many times the cost model's (`WorkItem.service_scale`)
     waiting: list[Callable[[], None]] = attrs.Factory(list)
     starting: list[Callable[[PrefillJob], None]] = attrs.Factory(list)
 
@@ -156,7 +157,7 @@ class PrefillNode:
         compute = job.prompt_len - job.cached_tokens
         self.computed_tokens += compute
         self.cached_tokens += job.cached_tokens
-        done = ready + self.costs.prefill_seconds(compute, job.cached_tokens)
+        done = ready + self.costs.prefill_seconds(compute, job.cached_tokens) * job.scale
         job.compute_start, job.compute_end = ready, done
         self.loop.call_at(done, self._done, job, plan)
         starting, job.starting = job.starting, []

@@ -176,5 +176,7 @@ def setups(scenario: Scenario) -> dict[str, ClusterSetup]:
             storage_capacity_pages=st.capacity_tokens // page,
             tick_interval=cl.tick_interval,
             faults=scenario.faults,
+            door_max_running=cl.front_door_running,
+            door_max_tokens=l1_pages * page * cl.decode_nodes if cl.front_door_running else 0,
         )
     return out

@@ -3,21 +3,25 @@ on the recorded node's own configuration and on costs fitted to its own measurem
 well the simulator predicts what the node did, and then what another configuration would do.
 
 The recording's header becomes the scenario: the model's geometry (a custom model), page size,
-L1 and L2 in tokens, every cache policy, storage, node counts and router. The node's hardware
-is not a preset, so the costs are fitted from the requests' TTFT and TPOT (`hicache.sim.calibrate`)
-and turned into figures of a one-GPU node: FLOP/s and active parameters give the prefill rate
-and its attention term, HBM bandwidth the decode step's per-context cost, the step overhead the
-rest of a step, the host link and storage the restore rates, the P->D link the fitted cost per
-token transferred (so a what-if that keeps more pages on the decode node sees the transfers they
-save) and its latency the first token's fixed delay. The prefill node's cache is the size the
-header records (`prefill_cache_bytes`; the runtime's default, 512 MiB, when a header predates it).
+L1 and L2 in tokens, every cache policy, storage, node counts and router. The node's hardware is
+not a preset, so the costs are fitted from the requests' TTFT and TPOT, and from the node's
+recorded phases where the lines carry them: waits off TTFT, prefill and the transfer fitted to
+their own times (`hicache.sim.calibrate`), and turned into figures of a one-GPU node: FLOP/s and
+active parameters give the prefill rate and its attention term, HBM bandwidth the decode step's
+per-context cost, the step overhead the rest of a step, the host link and storage the restore
+rates, the P->D link the fitted cost per token transferred (so a what-if that keeps more pages
+on the decode node sees the transfers they save) and its latency the first token's fixed delay.
+The prefill node's cache is the size the header records (`prefill_cache_bytes`; the runtime's
+default, 512 MiB, when a header predates it).
 
 Requests are replayed with their recorded block ids. A session's next prompt names, block by
 block, what its previous answer left in the cache, so a request's output pages take the keys of
 the following request of its session where that one extends its prompt (other output pages stay
 private, as for any trace). Sessions replay closed-loop: a turn is sent once the previous one is
 answered, after the client's own pause (recorded: the gap from its previous turn's end), with
-at most as many sessions open at once as the recorded clients kept (`twin_clients.py`).
+at most as many sessions open at once as the recorded clients kept (`twin_clients.py`), behind
+the front door the header records (`hicache serve`'s admission: requests wait there, not in the
+decode node's core).
 A recording whose ids are coarser than the node's pages is refused unless `approximate`.
 Requests whose tiers the replay did not predict are listed with a reason (`twin_tiers.py`).
 
@@ -37,8 +41,8 @@ import attrs
 from hicache.sim.calibrate import Sample, fit
 from hicache.sim.twin_clients import Clients, check_granularity, infer_clients, think_s
 from hicache.sim.twin_compare import errors, overall, request_rows, tiers_equal, ttft_request_error
-from hicache.sim.twin_intervals import change_intervals, sessions_compared
-from hicache.sim.twin_recording import TIERS, Recorded, Recording, TwinError, read_recording
+from hicache.sim.twin_intervals import change_intervals, jitters, service_scales, sessions_compared
+from hicache.sim.twin_recording import PHASES, TIERS, WAITS, Recorded, Recording, TwinError, read_recording
 from hicache.sim.twin_replay import one_client, replay, work_items
 from hicache.sim.twin_report import TwinResult, per_request, report, summary_doc, write_outputs
 from hicache.sim.twin_scenario import (
@@ -63,8 +67,10 @@ __all__ = [
     "reason_counts",
     "think_s",
     "tier_differences",
+    "PHASES",
     "PREFILL_CACHE_BYTES",
     "TIERS",
+    "WAITS",
     "NodeFacts",
     "Recorded",
     "Recording",
@@ -139,12 +145,17 @@ def twin(
         return out
     what_sc = scenario(rec, facts, cal, [*common, *overrides])
     what = replay(rec, what_sc)
+    jittered = [
+        (replay(rec, base_sc, scales), replay(rec, what_sc, scales))
+        for scales in jitters(rec, service_scales(rec, base))
+    ]
     return attrs.evolve(
         out,
         overrides=tuple(overrides),
         what_if=overall(rec, what),
         what_if_baseline=what_sc.run.baselines[0],
         what_if_records=what,
-        what_if_intervals=change_intervals(rec, base, what),
+        what_if_intervals=change_intervals(rec, base, what, jittered=jittered),
+        what_if_replays=1 + len(jittered),
         what_if_sessions=sessions_compared(rec, base, what),
     )

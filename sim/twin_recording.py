@@ -38,10 +38,14 @@ LINE_KEYS = {
     "cached_tokens",
     "prefill_cached_tokens",
     "transferred_tokens",
+    "phases",
     "ttft_s",
     "tpot_s",
     "finish_reason",
 }
+# A line's `phases`: waits (the front door's, the decode node's, prefill's), then service.
+PHASES = ("door_wait_s", "decode_wait_s", "prefill_wait_s", "prefill_compute_s", "transfer_s")
+WAITS = ("door_wait_s", "decode_wait_s", "prefill_wait_s")
 OVERLAP_SLACK_S = 0.02  # the rounding of a recorded end: TTFT + mean TPOT x (output - 1)
 
 
@@ -69,6 +73,16 @@ class Recorded:
     finished: float | None = None  # s from the recording's start, when it ended (None: not recorded)
     previous_finished: float | None = None  # when its session's previous turn ended
     in_flight: int | None = None  # requests in flight when it arrived
+    # Where its time to its KV went (seconds by `PHASES` name; empty: not recorded).
+    phases: Mapping[str, float] = attrs.field(factory=dict, eq=False)
+
+    @property
+    def queued_s(self) -> float | None:
+        """Seconds it waited (the front door, the decode node, then prefill), as recorded; None:
+        not recorded."""
+        if "decode_wait_s" not in self.phases:
+            return None
+        return sum(self.phases.get(k, 0.0) for k in WAITS)
 
     @property
     def answered(self) -> bool:
@@ -167,6 +181,14 @@ def _request(obj: Any, where: str, index: int, block: int, page_block: int | Non
             raise TwinError(
                 f"{where}: field 'transferred_tokens' is {transferred}, more than input_length {n_in}"
             )
+    phases = obj.get("phases")
+    if phases is not None:
+        if not isinstance(phases, dict) or set(phases) - set(PHASES):
+            got = sorted(phases) if isinstance(phases, dict) else type(phases).__name__
+            raise TwinError(
+                f"{where}: field 'phases' must be an object of seconds named {', '.join(PHASES)}, got {got}"
+            )
+        phases = {k: _num_field(phases, k, f"{where}: field 'phases'") for k in PHASES if k in phases}
     finish = obj.get("finish_reason")
     if finish is not None and not isinstance(finish, str):
         raise TwinError(f"{where}: field 'finish_reason' must be a string or null, got {finish!r}")
@@ -187,6 +209,7 @@ def _request(obj: Any, where: str, index: int, block: int, page_block: int | Non
         finished=_ms(obj, "finished", where),
         previous_finished=_ms(obj, "previous_finished", where),
         in_flight=in_flight,
+        phases=phases or {},
     )
 
 

@@ -12,6 +12,8 @@ measured response time, or exactly the gap from its end where the recording carr
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import attrs
 import numpy as np
 
@@ -76,10 +78,15 @@ def one_client(rec: Recording, sc: Scenario) -> bool:
     return sc.workload.closed and sc.workload.clients == 0 and rec.one_at_a_time
 
 
-def replay(rec: Recording, sc: Scenario) -> dict[str, RequestRecord]:
-    """The simulator's record of every request of `rec` under scenario `sc`, by id."""
+def replay(
+    rec: Recording, sc: Scenario, scales: Mapping[str, float] | None = None
+) -> dict[str, RequestRecord]:
+    """The simulator's record of every request of `rec` under scenario `sc`, by id; `scales`:
+    a factor on each request's prefill compute (by id; 1 where not given)."""
     (setup,) = setups(sc).values()
     items, keys = work_items(rec, setup.decode.page_size, setup.model_name, closed=sc.workload.closed)
+    if scales:
+        items = [attrs.evolve(i, service_scale=scales.get(i.id, 1.0)) for i in items]
     cluster = Cluster(setup)
     if one_client(rec, sc):
         result = cluster.run(items, keys=keys, sequential=True)

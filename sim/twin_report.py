@@ -37,6 +37,7 @@ class TwinResult:
     # (`twin_intervals.py`), and how many sessions it was drawn from.
     what_if_intervals: dict[str, tuple[float, float] | None] | None = None
     what_if_sessions: int = 0
+    what_if_replays: int = 1  # replay pairs the interval was drawn over (the plain one, jittered ones)
     clients: Clients | None = None  # what the recording says of its clients
     replayed_clients: int = 0  # the sessions open at once in the replay (0: no limit)
     tier_diffs: tuple[TierDiff, ...] = ()  # the requests whose tiers differ, with the reason
@@ -68,6 +69,12 @@ def report(res: TwinResult) -> str:
         f"residuals rms TTFT {c.ttft_residual_rms_s * 1e3:.2f} ms ({c.ttft_rows} req), "
         f"TPOT {c.tpot_residual_rms_s * 1e3:.2f} ms ({c.tpot_rows} req); outliers left out: "
         f"{c.ttft_trimmed} TTFT, {c.tpot_trimmed} TPOT",
+        (
+            f"                 fitted to the node's phases on {c.phased_rows} requests: their waits "
+            f"(mean {c.queued_mean_s * 1e3:.1f} ms) off TTFT, prefill and P->D to their own times"
+            if c.phased_rows
+            else "                 fitted to end-to-end TTFT (the recording has no phases)"
+        ),
         *(
             [
                 f"warning          {', '.join(c.fallbacks)} from the node's own settings: the recording "
@@ -121,8 +128,10 @@ def report(res: TwinResult) -> str:
             "predicted baseline, whose error above bounds how far to trust it)"
         )
         lines.append(
-            f"(interval: the change over {DRAWS} bootstrap draws of the {res.what_if_sessions} sessions, "
-            "the spread over traffic like the recorded; the cost model's own error is the error column)"
+            f"(interval: the change over {DRAWS} bootstrap draws of the {res.what_if_sessions} sessions "
+            f"across {res.what_if_replays} replay pairs, {res.what_if_replays - 1} with each request's "
+            "prefill time scaled by a draw of the in-sample per-request TTFT error: the spread over traffic "
+            "like the recorded and over the node's timing; the cost model's bias is the error column)"
         )
     return "\n".join([*lines, "", *per_request(res), *([""] if res.tier_diffs else []), *tier_lines(res)])
 
@@ -236,9 +245,11 @@ def summary_doc(res: TwinResult, sc_doc: Mapping[str, Any] | None = None) -> dic
             "baseline": res.what_if_baseline,
             **{f"predicted_{k}": v for k, v in res.what_if.items() if k != "requests"},
             # hit rate in points, times relative; the central LEVEL of bootstrap draws over sessions
+            # and jittered replays (`twin_intervals`)
             "change_interval": {k: list(v) if v else None for k, v in (res.what_if_intervals or {}).items()},
             "interval_level": LEVEL,
             "interval_sessions": res.what_if_sessions,
+            "interval_replays": res.what_if_replays,
         }
     if sc_doc is not None:
         out["scenario"] = dict(sc_doc)

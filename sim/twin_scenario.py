@@ -49,11 +49,13 @@ HEADER_KEYS = {
     "decode_nodes",
     "prefill_cache_bytes",
     "page_block_size",
+    "front_door",
 }
 GEOMETRY_KEYS = {"layers", "kv_heads", "head_dim", "dtype", "page_bytes", "q_heads"}
 STORAGE_KEYS = {"kind", "capacity_bytes", "capacity_pages"}
 NODES_KEYS = {"decode", "prefill", "router"}
 MEASURED_KEYS = {"link_bytes_per_s", "storage_read_bytes_per_s", "storage_write_bytes_per_s"}
+FRONT_DOOR_KEYS = {"max_running", "max_tokens", "reserve_tokens"}
 # The DecodeConfig fields a scenario's [cache] section sets (the rest come from the driver).
 CACHE_POLICY_KEYS = (
     "eviction",
@@ -122,6 +124,9 @@ class NodeFacts:
     router: str | None
     measured: dict[str, float | None]
     prefill_cache_bytes: int = PREFILL_CACHE_BYTES  # each prefill node's cache (L1); 0: none
+    # The front door's requests at the decode nodes at once (0: the header names no front door),
+    # which also let in only what the decode nodes' L1 holds (`cluster.front_door_running`).
+    front_door_running: int = 0
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -168,6 +173,8 @@ def node_facts(rec: Recording) -> NodeFacts:
     if router is not None and not isinstance(router, str):
         raise TwinError(f"{where}: field 'nodes.router' must be a string or null, got {router!r}")
     measured = _section(h, "measured", MEASURED_KEYS, where)
+    door = _section(h, "front_door", FRONT_DOOR_KEYS, where)
+    door_running = _need(door, "max_running", where, "front_door.max_running") if door else 0
     prefill_cache = h.get("prefill_cache_bytes")
     if prefill_cache is None:
         prefill_cache = PREFILL_CACHE_BYTES
@@ -198,6 +205,7 @@ def node_facts(rec: Recording) -> NodeFacts:
         router=router,
         measured=dict(measured),
         prefill_cache_bytes=prefill_cache,
+        front_door_running=door_running,
     )
 
 
@@ -237,6 +245,9 @@ def samples(rec: Recording) -> list[Sample]:
                 ttft_s=r.ttft_s,
                 tpot_s=r.tpot_s,
                 transferred=transferred,
+                queued_s=r.queued_s,
+                compute_s=r.phases.get("prefill_compute_s"),
+                transfer_s=r.phases.get("transfer_s"),
             )
         )
     return out
@@ -304,6 +315,8 @@ def scenario_doc(rec: Recording, facts: NodeFacts, cal: Calibration) -> dict[str
     }
     if facts.router is not None:
         cluster["router"] = facts.router
+    if facts.front_door_running:  # requests wait at the door, as on the node, not in the core
+        cluster["front_door_running"] = facts.front_door_running
     if cal.transfer_seconds_per_token and cal.source == "fit":
         # The fitted cost is what a transferred token added to TTFT, whatever part of its transfer
         # overlapped prefill on the node: charged after prefill, it adds just that.

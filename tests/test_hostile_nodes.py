@@ -859,3 +859,43 @@ def talk(port: int, data: bytes, secret: ClusterSecret | None = None) -> list[di
         received = received[end:]
     assert received == b"", "a reply frame was cut short"
     return replies
+
+
+_JSONISH = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(10**6), 10**6)
+    | st.floats(allow_nan=True)
+    | st.text(max_size=5),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=10), inner, max_size=4),
+    max_leaves=8,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    timing=_JSONISH | st.fixed_dictionaries({"wait_s": _JSONISH, "compute_s": _JSONISH}),
+    before=st.floats(-1.0, 100.0),
+    exchange=st.floats(0.0, 100.0),
+)
+def test_prefill_s_timing_is_a_peer_s_word_and_never_breaks_a_request_s_phases(
+    timing: Any, before: float, exchange: float
+) -> None:
+    """Whatever prefill says of its wait and compute, the request's phases are non-negative finite
+    seconds that never exceed the exchange they split (prefill's parts are taken only where they
+    fit in it), and the decode node's own wait is its own measure."""
+    import math
+
+    from hicache.runtime.decode.transfers import ROUNDING_S, _phases
+
+    got = _phases(timing, before, exchange)
+    assert set(got) in (
+        {"decode_wait_s", "transfer_s"},
+        {"decode_wait_s", "prefill_wait_s", "prefill_compute_s", "transfer_s"},
+    )
+    assert all(isinstance(v, float) and math.isfinite(v) and v >= 0 for v in got.values())
+    assert got["decode_wait_s"] == pytest.approx(max(0.0, before), abs=1e-6)
+    split = got.get("prefill_wait_s", 0.0) + got.get("prefill_compute_s", 0.0) + got["transfer_s"]
+    assert split <= exchange + ROUNDING_S + 1e-5
+    if "prefill_wait_s" not in got:
+        assert got["transfer_s"] == pytest.approx(exchange, abs=1e-6)

@@ -422,6 +422,7 @@ FIELDS: dict[str, Spec] = {
     "cluster.tick_interval": numbers(0, above=True),
     "cluster.layerwise_transfer": BOOL,
     "cluster.transfer_groups": SIZE,
+    "cluster.front_door_running": SIZE,
     "cache.page_size": COUNT,
     "cache.l1_tokens": SIZE,
     "cache.hicache_ratio": numbers(0),

@@ -246,6 +246,9 @@ def _rewrite_header(src: Path, dst: Path, change: dict[str, Any], drop: tuple[st
         ({"geometry.dtype": "int4"}, (), "'geometry.dtype'"),
         ({"prefill_cache_bytes": -1}, (), "'prefill_cache_bytes' must be an integer >= 0"),
         ({"prefill_cache_bytes": "big"}, (), "'prefill_cache_bytes' must be an integer >= 0"),
+        ({"front_door": {"max_running": 4, "queue": 2}}, (), "'front_door.queue': unknown"),
+        ({"front_door": {"max_running": 0}}, (), "'front_door.max_running' must be an integer"),
+        ({"front_door": [4]}, (), "'front_door' must be an object"),
     ],
 )
 def test_an_unknown_or_missing_header_field_is_named(
@@ -254,6 +257,27 @@ def test_an_unknown_or_missing_header_field_is_named(
     path = _rewrite_header(recorded, tmp_path / "t.jsonl", change, drop)
     with pytest.raises(twin.TwinError, match=rf"t\.jsonl:1: field {field}"):
         twin.node_facts(twin.read_recording(path))
+
+
+def test_the_front_door_the_header_records_is_replayed(recorded: Path, tmp_path: Path) -> None:
+    """A recording made behind `hicache serve`'s front door replays behind one: its requests at
+    once from the header, its tokens the decode node's L1 (so a what-if's smaller L1 narrows the
+    door too); without it in the header there is none."""
+    rec = twin.read_recording(recorded)
+    assert twin.node_facts(rec).front_door_running == 0
+    cal = twin.header_costs(twin.node_facts(rec))
+    assert twin.scenario(rec, twin.node_facts(rec), cal).cluster.front_door_running == 0
+    door = {"max_running": 2, "max_tokens": 1 << 20, "reserve_tokens": 16}
+    rec = twin.read_recording(_rewrite_header(recorded, tmp_path / "door.jsonl", {"front_door": door}))
+    facts = twin.node_facts(rec)
+    sc = twin.scenario(rec, facts, cal)
+    assert facts.front_door_running == 2 and sc.cluster.front_door_running == 2
+    (setup,) = setups(sc).values()
+    assert setup.door_max_running == 2 and setup.door_max_tokens == facts.l1_pages * PAGE
+    (small,) = setups(twin.scenario(rec, facts, cal, [f"cache.l1_tokens={8 * PAGE}"])).values()
+    assert small.door_max_tokens == 8 * PAGE
+    res = twin.twin(rec.path)
+    assert res.predicted["requests"] == len(rec.requests)
 
 
 # ============================================================================ calibration
@@ -464,6 +488,112 @@ def test_a_term_the_recording_cannot_identify_comes_from_the_prior_with_a_warnin
     assert cal.first_token_overhead_s == pytest.approx(0.51 - 64 / 2000.0, abs=0.01)
 
 
+def _phased_samples(
+    rng: Any,
+    n: int,
+    k: float,
+    att: float,
+    sx: float,
+    c: float,
+    load: float,
+    *,
+    transfer_is_compute: bool = False,
+) -> list[twin.Sample]:
+    """Requests whose TTFT is their waits + `c` + prefill's compute + the transfer, with the waits
+    growing with the work (a loaded node: a long prompt waits behind long ones), each phase
+    recorded; prefill's forwards and the transfer carry fixed costs of their own."""
+    out = []
+    for _ in range(n):
+        prompt = int(rng.integers(40, 600))
+        computed = int(rng.integers(1, prompt + 1))
+        x = computed if transfer_is_compute else int(rng.integers(0, prompt + 1))
+        pairs = computed * (prompt - computed) + computed * (computed - 1) / 2
+        compute = 0.004 + k * computed + att * pairs
+        transfer = 0.002 + sx * x
+        queued = load * compute * float(rng.uniform(0.5, 1.5))
+        out.append(
+            twin.Sample(
+                prompt=prompt,
+                output=8,
+                computed=computed,
+                l2=0,
+                l3=0,
+                ttft_s=queued + c + compute + transfer,
+                tpot_s=0.02 + 1e-6 * prompt,
+                transferred=x,
+                queued_s=queued,
+                compute_s=compute,
+                transfer_s=transfer,
+            )
+        )
+    return out
+
+
+def _unphased(rows: list[twin.Sample]) -> list[twin.Sample]:
+    return [attrs.evolve(r, queued_s=None, compute_s=None, transfer_s=None) for r in rows]
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    k=st.floats(1e-4, 1e-2),
+    att=st.sampled_from([0.0, 1e-7, 1e-6]),
+    sx=st.floats(1e-6, 1e-3),
+    c=st.floats(0.0, 0.2),
+    load=st.floats(0.5, 3.0),
+)
+def test_recorded_phases_take_the_waits_off_ttft_and_fit_each_rate_to_its_own_time(
+    seed: int, k: float, att: float, sx: float, c: float, load: float
+) -> None:
+    """With the node's phases, the fit recovers prefill's rate and attention cost, the transfer's
+    rate and the first token's overhead (c plus the forwards' and the transfer's fixed costs)
+    however long the requests queued; from TTFT alone the same requests give a prefill rate
+    inflated by the queueing that grows with the work (which the replay then queues again)."""
+    import numpy as np
+
+    rows = _phased_samples(np.random.default_rng(seed), 40, k, att, sx, c, load)
+    cal = twin.fit(rows)
+    assert cal.phased_rows == 40 and cal.fallbacks == ()
+    assert cal.queued_mean_s == pytest.approx(float(np.mean([r.queued_s for r in rows])), rel=1e-9)
+    assert 1.0 / cal.prefill_tokens_per_s == pytest.approx(k, rel=1e-5)
+    assert cal.prefill_attention_s == pytest.approx(att, rel=1e-5, abs=1e-12)
+    assert cal.transfer_seconds_per_token == pytest.approx(sx, rel=1e-5)
+    assert cal.first_token_overhead_s == pytest.approx(c + 0.004 + 0.002, rel=1e-5, abs=1e-9)
+    plain = twin.fit(_unphased(rows))
+    assert plain.phased_rows == 0
+    assert 1.0 / plain.prefill_tokens_per_s > 1.2 * k or plain.prefill_attention_s > 1.2 * att + 1e-9
+
+
+def test_a_transfer_that_grows_with_the_computed_tokens_is_told_apart_by_its_own_time() -> None:
+    """Every request transferred exactly the tokens prefill computed: from TTFT the two terms are
+    one column, and the transfer's is left out (its time lands in prefill's rate); the recorded
+    transfer time parts them."""
+    import numpy as np
+
+    rows = _phased_samples(np.random.default_rng(7), 30, 2e-3, 0.0, 3e-4, 0.05, 1.0, transfer_is_compute=True)
+    assert all(r.transferred == r.computed for r in rows)
+    assert twin.fit(_unphased(rows)).transfer_seconds_per_token is None
+    cal = twin.fit(rows)
+    assert cal.transfer_seconds_per_token == pytest.approx(3e-4, rel=1e-5)
+    assert 1.0 / cal.prefill_tokens_per_s == pytest.approx(2e-3, rel=1e-5)
+
+
+def test_phases_with_an_outlier_and_too_few_rows_still_calibrate() -> None:
+    """A request whose forwards stalled is trimmed from prefill's fit; a recording where only two
+    requests carry phases fits prefill from TTFT less their waits instead, never failing."""
+    import numpy as np
+
+    rows = _phased_samples(np.random.default_rng(3), 30, 1e-3, 0.0, 1e-4, 0.05, 1.0)
+    stalled = attrs.evolve(
+        rows[4], compute_s=(rows[4].compute_s or 0) + 60.0, ttft_s=(rows[4].ttft_s or 0) + 60.0
+    )
+    cal = twin.fit([*rows[:4], stalled, *rows[5:]])
+    assert 1.0 / cal.prefill_tokens_per_s == pytest.approx(1e-3, rel=1e-5) and cal.ttft_trimmed >= 1
+    few = [*rows[:2], *_unphased(rows[2:])]
+    cal = twin.fit(few)
+    assert cal.phased_rows == 2 and cal.prefill_tokens_per_s > 0 and not cal.fallbacks
+
+
 def test_too_few_measured_requests_cannot_be_calibrated() -> None:
     one = twin.Sample(prompt=100, output=5, computed=100, l2=0, l3=0, ttft_s=0.1, tpot_s=0.01)
     with pytest.raises(ValueError, match="at least 2 requests"):
@@ -576,6 +706,40 @@ def test_an_interval_is_exact_where_every_draw_agrees(
     assert low <= high <= 0.0
 
 
+def test_jittered_replays_carry_the_node_s_timing_into_the_interval(recorded: Path) -> None:
+    """The factors are the twin's own per-request error centred on 1, drawn the same on every run;
+    a replay's prefill compute takes that many times longer; the interval is drawn over the
+    plain pair and the jittered ones, so a change the jittered replays make and the plain one
+    does not lies inside it."""
+    import numpy as np
+
+    from hicache.sim import twin_intervals
+
+    rec = twin.read_recording(recorded)
+    res = twin.twin(recorded)
+    scales = twin_intervals.service_scales(rec, res.records)
+    assert scales.size == sum(r.ttft_s is not None for r in rec.requests)
+    assert float(np.median(scales)) == pytest.approx(1.0) and (scales >= 0.1).all() and (scales <= 10).all()
+    draws = twin_intervals.jitters(rec, scales, replays=3)
+    assert draws == twin_intervals.jitters(rec, scales, replays=3) and len(draws) == 3
+    assert all(set(d) == {r.id for r in rec.requests} for d in draws)
+    sc = twin.scenario(rec, twin.node_facts(rec), res.calibration)
+    slow = twin.replay(rec, sc, {r.id: 4.0 for r in rec.requests})
+    plain = twin.replay(rec, sc)
+    assert sum(r.ttft_s for r in slow.values()) > sum(r.ttft_s for r in plain.values())
+    # Sessions lose hits only in the jittered pairs: the interval reaches down to that loss.
+    base = res.records
+    cut = {k: attrs.evolve(r, cached_l1=0, cached_l2=0, cached_l3=0) for k, r in base.items()}
+    lost = twin_intervals.change_intervals(rec, base, base, jittered=[(base, cut)] * 8, draws=900)
+    only = twin_intervals.change_intervals(rec, base, base, draws=900)
+    assert only["hit_rate"] == pytest.approx((0.0, 0.0), abs=1e-12)
+    low, high = lost["hit_rate"] or (0.0, 0.0)
+    assert low < -1.0 and high == pytest.approx(0.0, abs=1e-12)
+    what = twin.twin(recorded, [f"cache.l1_tokens={32 * PAGE}"])
+    assert what.what_if_replays == twin_intervals.REPLAYS + 1
+    assert "replay pairs" in twin.report(what) and twin.summary_doc(what)["what_if"]["interval_replays"] == 9
+
+
 def test_the_command_prints_and_writes_the_comparison(
     recorded: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -626,6 +790,10 @@ def test_a_bad_header_is_one_line_and_exit_2(
         ({"transferred_tokens": 10**6}, "'transferred_tokens'"),
         ({"transferred_tokens": -1}, "'transferred_tokens'"),
         ({"colour": 1}, "'colour'"),
+        ({"phases": [0.1]}, "'phases'"),
+        ({"phases": {"queue_s": 0.1}}, "'phases'"),
+        ({"phases": {"transfer_s": -1}}, "'phases'"),
+        ({"phases": {"prefill_compute_s": "1"}}, "'phases'"),
     ],
 )
 def test_a_bad_request_line_is_named(

@@ -14,7 +14,7 @@ import pytest
 from concurrent_chat import play
 from helpers import running
 
-from hicache.sim import twin
+from hicache.sim import twin, twin_intervals
 from hicache.sim.twin_tiers import REASONS
 
 pytestmark = [pytest.mark.process, pytest.mark.real_model]
@@ -67,3 +67,28 @@ def test_the_twin_predicts_the_tiers_in_sample_and_names_every_difference(record
     assert all(d.reason in REASONS for d in res.tier_diffs)
     if not res.tier_diffs:  # every request's tiers as measured: the hit rate is too
         assert res.errors["hit_rate_pp"] == pytest.approx(0.0, abs=1e-9)
+
+
+def test_each_request_carries_the_node_s_phases_and_the_fit_uses_them(recording: Path) -> None:
+    """Every line says where its time to the KV went, in parts that add up to no more than its
+    TTFT (the front door's clock takes in the decode node's); the calibration takes the waits off
+    TTFT and fits prefill to its own forwards, on every request, without falling back."""
+    lines = [json.loads(x) for x in recording.read_text().splitlines()[1:]]
+    for line in lines:
+        phases = line["phases"]
+        assert set(phases) == set(twin.PHASES) and all(v >= 0 for v in phases.values())
+        assert phases["prefill_compute_s"] > 0
+        assert sum(phases.values()) <= line["ttft_s"] + 1e-3
+    res = twin.twin(recording)
+    cal = res.calibration
+    assert cal.phased_rows == len(lines) and cal.fallbacks == () and cal.prefill_tokens_per_s > 0
+    waits = [sum(line["phases"][k] for k in twin.WAITS) for line in lines]
+    assert cal.queued_mean_s == pytest.approx(sum(waits) / len(waits), rel=1e-6)
+    assert "fitted to the node's phases on 21 requests" in twin.report(res)
+
+
+def test_a_what_if_interval_spans_jittered_replays(recording: Path) -> None:
+    res = twin.twin(recording, ["cache.l1_tokens=160"])
+    assert res.what_if_replays == twin_intervals.REPLAYS + 1 and res.what_if_intervals is not None
+    low, high = res.what_if_intervals["hit_rate"] or (1.0, -1.0)
+    assert res.what_if is not None and low <= high

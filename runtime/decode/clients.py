@@ -271,6 +271,7 @@ class Clients:
             "start_pages": live.start_pages,
             "final_pages": live.final_pages,
             "prefill_cached": live.prefill_cached or {},
+            **({"phases": live.phases} if live.phases is not None else {}),
             # Failed because prefill refused it as it is: the client's to change (a 400, not a 503).
             "refused": live.outcome == "failed" and live.refused,
         }

@@ -49,6 +49,7 @@ class Live:
     duplicate: bool = False  # TP: the core refused its arrival (an id still in use)
     ranks: list[dict[str, Any]] = attrs.Factory(list)  # TP, rank 0: ranks 1..'s page reports
     prefill_cached: dict[str, int] | None = None  # prompt tokens prefill had cached, by tier
+    phases: dict[str, float] | None = None  # where its time to its KV went (`transfers._phases`)
     keys: list[int] = attrs.Factory(list)  # its first full pages' keys, extended as it grows
     refused: bool = False  # prefill refused it as it is (too big for its staging): the client's to change
 

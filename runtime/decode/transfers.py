@@ -42,6 +42,8 @@ from hicache.runtime.wire import protocol
 
 log = logging.getLogger("hicache.runtime.decode")
 
+ROUNDING_S = 1e-3  # prefill's timings may exceed the exchange they are part of by this much
+
 
 class Transfers:
     """Executes `RequestKV` over `link` into `l1`, feeding the outcome to `feed`."""
@@ -115,6 +117,7 @@ class Transfers:
         ongoing[c.transfer] = scope
         with scope:
             try:
+                sent_at = self.feed.now()
                 gen = await link.send(c.transfer, msg)
                 reply = await receive.receive()
                 if reply.get("ok"):
@@ -161,6 +164,7 @@ class Transfers:
         self.moved["transfer_bytes"] += len(dst) * self.l1.layout.page_bytes
         if live.prefill_cached is None:  # the request's first prefill, not a fallback's
             live.prefill_cached = _cached_tokens(reply.get("cached"))
+            live.phases = _phases(reply.get("timing"), sent_at - live.arrival, self.feed.now() - sent_at)
         for j, digest in enumerate(reply["digests"]):
             live.received[c.start // page + j] = digest
         if not live.gen:
@@ -278,6 +282,26 @@ def _cached_tokens(value: object) -> dict[str, int]:
         for k, v in value.items()
         if k in ("l1", "l2", "l3") and isinstance(v, int) and not isinstance(v, bool) and v >= 0
     }
+
+
+def _phases(timing: object, before: float, exchange: float) -> dict[str, float]:
+    """A request's time up to its KV, in parts (seconds): `decode_wait_s` on this node before
+    its KV was asked for, and of the exchange with prefill (`exchange`), prefill's own account
+    (`prefill_wait_s` queued or behind other prompts' chunks, `prefill_compute_s` its forwards)
+    and the rest, `transfer_s`. Prefill's figures are a peer's: used only where they are
+    non-negative numbers that fit in the exchange; otherwise the exchange is all transfer."""
+    out = {"decode_wait_s": round(max(0.0, before), 6)}
+    parts = {}
+    if isinstance(timing, dict):
+        for key, name in (("wait_s", "prefill_wait_s"), ("compute_s", "prefill_compute_s")):
+            v = timing.get(key)
+            if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v >= 0:
+                parts[name] = float(v)
+    if len(parts) == 2 and sum(parts.values()) <= exchange + ROUNDING_S:
+        out.update({k: round(v, 6) for k, v in parts.items()})
+        exchange -= sum(parts.values())
+    out["transfer_s"] = round(max(0.0, exchange), 6)
+    return out
 
 
 def is_token_logprob(value: object, vocab: int) -> bool:

@@ -382,6 +382,7 @@ class PrefillNode:
             )
             cached = {"l1": done.l1, "l2": done.l2, "l3": done.l3}
             reply.update(ok=True, first_token=first_token, digests=digests, cached=cached)
+            reply["timing"] = _timing(prompt, trio.current_time())
             if first_logprob is not None:
                 reply["first_logprob"] = [first_logprob[0], [list(p) for p in first_logprob[1]]]
             if scores_from >= 0:
@@ -439,3 +440,15 @@ def plain(exc: BaseException) -> str:
     while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
         exc = exc.exceptions[0]
     return f"{type(exc).__name__}: {protocol.clip(str(exc))}"
+
+
+def _timing(p: Prompt, now: float) -> dict[str, float]:
+    """Where a prompt's time on this node went, for the decode node's account of the request:
+    `wait_s` queued or waiting on other prompts' chunks, `compute_s` its own forwards, `send_s`
+    from its last chunk to the end of its transfer."""
+    computed = p.computed_at if p.computed_at >= 0 else now
+    return {
+        "wait_s": round(max(0.0, computed - p.arrived_at - p.compute_s), 6),
+        "compute_s": round(p.compute_s, 6),
+        "send_s": round(max(0.0, now - computed), 6),
+    }

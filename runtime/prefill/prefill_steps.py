@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import time
 from collections.abc import Awaitable, Callable
 
 import attrs
@@ -69,6 +70,11 @@ class Prompt:
     scores_from: int = -1
     sampling: Knobs | None = None
     scores: list[TokenLogprob] = attrs.Factory(list)
+    # Its time on this node (trio's clock): arrival, its last chunk's end, and the seconds its
+    # own forwards took; the rest of the time between the two it waited (queue, other chunks).
+    arrived_at: float = -1.0
+    computed_at: float = -1.0
+    compute_s: float = 0.0
 
     def prompt_scores(self) -> list[TokenLogprob | None]:
         """SGLang's input log-probabilities: one per token from `scores_from`, the first None."""
@@ -151,26 +157,32 @@ class Stepper:
         a prompt cancelled meanwhile is skipped; a chunk that fails fails its prompt alone."""
         for c in chunks:
             p = self.prompts.get(c.key)
-            logits, error = None, None
+            logits, error, took = None, None, 0.0
             if p is None or self.sched.phase(c.key) is not Phase.RUNNING:
                 self.skipped += 1
             else:
+                began = time.perf_counter()
                 try:
                     logits = self._forward(p, c)
                     self.chunks += 1
                 except Exception as exc:  # this prompt fails; the others go on
                     log.exception("prefill of %s failed at [%d, %d)", c.key, c.lo, c.hi)
                     error = exc
-            trio.from_thread.run_sync(self._chunk_done, c, logits, error, trio_token=token)
+                took = time.perf_counter() - began
+            trio.from_thread.run_sync(self._chunk_done, c, logits, error, took, trio_token=token)
 
-    def _chunk_done(self, c: Chunk, logits: torch.Tensor | None, error: BaseException | None) -> None:
-        """Chunk `c` computed (`logits`), failed (`error`) or skipped (neither): in trio."""
+    def _chunk_done(
+        self, c: Chunk, logits: torch.Tensor | None, error: BaseException | None, took: float = 0.0
+    ) -> None:
+        """Chunk `c` computed (`logits`), failed (`error`) or skipped (neither), its forward
+        taking `took` seconds: in trio."""
         self._computing.discard(c.key)
         self._chunk_ended.set()
         self._chunk_ended = trio.Event()
         p = self.prompts.get(c.key)
         if p is None:
             return
+        p.compute_s += took
         if error is not None:
             p.error = error
             self.sched.cancel(c.key)
@@ -178,6 +190,7 @@ class Stepper:
             self.sched.computed(c)
             if c.last:
                 p.logits = logits
+                p.computed_at = trio.current_time()
                 self.served.append((c.key, len(p.ids), self.arrived_at.get(c.key, 0), self.sched.steps))
         p.notify()
 
@@ -230,6 +243,7 @@ class Stepper:
         the scheduler (no chunk of it is computed any more), its full computed pages stay in
         the cache, and its staging pages come back once its WRITEs settled."""
         self.sched.arrive(p.key, p.last - p.first)  # Refused: the caller says so, once
+        p.arrived_at = trio.current_time()
         self.prompts[p.key] = p
         self.arrived_at[p.key] = self.sched.steps
         settled = True

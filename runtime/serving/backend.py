@@ -81,6 +81,9 @@ class Finished:
     ttft_s: float | None = None
     prefill_cached_tokens: int | None = None  # prompt tokens prefill did not compute, if known
     transferred_tokens: int | None = None  # prompt tokens whose KV came over P->D, if known
+    # Where the time to the prompt's KV went, in seconds, if known: decode_wait_s, prefill_wait_s,
+    # prefill_compute_s, transfer_s (the decode node's `transfers._phases`).
+    phases: Mapping[str, float] | None = None
     # The node refused the request as it is (asking again fails again): the client's to change.
     refused: bool = False
 

@@ -124,6 +124,7 @@ class Generation:
         self.finish: Finish | None = None
         self.prefill_cached_tokens: int | None = None  # when the backend reports them
         self.transferred_tokens: int | None = None
+        self.phases: dict[str, float] | None = None  # where the time to its KV went, if known
         self._on_end = on_end
         self._admission = admission
         self._rate = rate
@@ -240,6 +241,8 @@ class Generation:
             value = getattr(event, name, None)
             if value is not None:
                 setattr(self, name, _count(value))
+        if event.phases is not None:
+            self.phases = dict(event.phases)
         delta = self._stops.feed(self._detok.flush(), final=True)
         if self._stops.matched is not None:
             self._end("stop", matched=self._stops.matched)

@@ -8,6 +8,7 @@ are kept for reuse once their request ended cleanly, up to `idle_connections`.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import AsyncGenerator, Mapping
 from typing import Any
 
@@ -140,6 +141,7 @@ def _finished(result: dict[str, Any], prompt_tokens: int) -> Finished:
         ttft_s=result.get("ttft_s"),
         prefill_cached_tokens=_total(result.get("prefill_cached")),
         transferred_tokens=_count(account.get("transferred")),
+        phases=_phases(result.get("phases")),
         refused=outcome == "failed" and result.get("refused") is True,
     )
 
@@ -163,6 +165,18 @@ def _total(value: object) -> int | None:
     if not isinstance(value, dict):
         return None
     return sum(n for n in map(_count, value.values()) if n is not None)
+
+
+def _phases(value: object) -> dict[str, float] | None:
+    """A result's `phases` (seconds by name), the non-negative finite ones; None when none."""
+    if not isinstance(value, dict):
+        return None
+    out = {
+        str(k): float(v)
+        for k, v in value.items()
+        if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+    }
+    return out or None
 
 
 def _count(value: object) -> int | None:

@@ -10,6 +10,12 @@ node's page by default (`block_size` in the header), the granularity hits are de
 prompt shorter than a block never hides the prefix it shares; with a coarser block (Mooncake's 512
 for other tools) `page_hash_ids` holds the per-page ids alongside.
 
+Where each request's time to its KV went (`phases`, seconds): `door_wait_s` queued at the front
+door (`admission.py`), then as the decode node measured them, `decode_wait_s` before the decode
+node asked prefill for it, `prefill_wait_s` queued on prefill
+or behind other prompts' chunks, `prefill_compute_s` its own forwards, `transfer_s` the rest of
+that exchange. A calibration then fits service times to service, not to time spent queueing.
+
 The arrival process, so that a replay can drive the clients as they behaved: `finished` (ms, when
 the request ended), `previous_finished` (ms, when the previous turn of its session ended; absent
 for a first turn) and `in_flight` (requests of this recording in flight when it arrived).
@@ -254,6 +260,8 @@ class Recording:
             out["prefill_cached_tokens"] = gen.prefill_cached_tokens
         if gen.transferred_tokens is not None:
             out["transferred_tokens"] = gen.transferred_tokens
+        if gen.phases is not None:  # the front door's own wait first, then the decode node's parts
+            out["phases"] = {"door_wait_s": round(gen.queued_s, 6), **gen.phases}
         out["ttft_s"] = None if gen.ttft_s is None else round(gen.ttft_s, 6)
         out["tpot_s"] = None if gen.tpot_s is None else round(gen.tpot_s, 6)
         out["finish_reason"] = gen.finish.reason if gen.finish is not None else None
