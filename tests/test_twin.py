@@ -830,12 +830,20 @@ def test_real_node_the_twin_predicts_the_recorded_tiers_and_the_l2_what_if(tmp_p
     node moved, by about as much. The recording carries what the fit's transfer term needs: the
     prefill cache's size, and transfers that differ from what prefill computed (turns whose
     history the decode node lost). (Times are compared in bench/twin_check.py, not here.)"""
+    from concurrent.futures import ThreadPoolExecutor
+
     from hicache.runtime.serving.chat_traffic import drop_warmup, record
 
     traffic = {"l1_pages": 12, "conversations": 3, "turns": 4, "max_new": 8}
     base, doubled = tmp_path / "base.jsonl", tmp_path / "l2x2.jsonl"
-    record(base, ratio=1.0, **traffic)
-    record(doubled, ratio=2.0, **traffic)
+    # The two nodes serve at once: one request at a time each, so their decisions do not depend
+    # on how fast they run.
+    with ThreadPoolExecutor(2) as pool:
+        runs = [
+            pool.submit(record, path, ratio=ratio, **traffic) for path, ratio in ((base, 1.0), (doubled, 2.0))
+        ]
+        for run in runs:
+            run.result()
     drop_warmup(base)
     drop_warmup(doubled)
     res = twin.twin(base, ["cache.hicache_ratio=2.0"])
