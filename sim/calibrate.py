@@ -6,7 +6,11 @@ hardware is whatever it ran on (a CPU, a GPU no preset names), so instead of a p
 come from the recording itself, by least squares with non-negative coefficients:
 
 - a decode step: `tpot = a + b * context`, context being the prompt plus half the output (the
-  mean context over the request's steps);
+  mean context over the request's steps); where the recording shows which requests decoded at
+  once (each request's first token and end), a request's TPOT also paid for the others in its
+  batch, which the simulator charges per step as `(batch - 1) / prefill_rate + b * (the batch's
+  contexts summed)`: that part comes off, and `context` is the batch's, so a replay with batches
+  of its own does not charge them twice;
 - the first token, which prefill computes: `ttft = c + u / prefill_rate + attention * pairs
   + sx * x + s2 * l2_tokens + s3 * l3_tokens`, where u are the prompt tokens prefill computed
   (prompt minus what prefill, or else the decode node, had cached), `pairs` the (new, earlier)
@@ -76,6 +80,10 @@ class Sample:
     queued_s: float | None = None
     compute_s: float | None = None
     transfer_s: float | None = None
+    # Requests decoding at once with it, itself included, and their contexts summed: each the
+    # mean over its decode (None: not known; then it decoded alone, its own context).
+    batch: float | None = None
+    batch_context: float | None = None
 
 
 @attrs.frozen(slots=True)
@@ -171,16 +179,6 @@ def fit(samples: Sequence[Sample], prior: Calibration | None = None) -> Calibrat
             f"calibration needs at least 2 requests with a TTFT and 2 with a TPOT (output > 1 token); "
             f"the recording has {len(firsts)} and {len(steps)}"
         )
-    # The decode step: a + b * context.
-    ctx = np.array([s.prompt + s.output / 2 for s in steps], dtype=np.float64)
-    tpot = np.array([s.tpot_s for s in steps], dtype=np.float64)
-    a_tp = np.column_stack([np.ones_like(ctx), ctx])
-    if np.ptp(ctx) > 0:
-        step, tp_kept = robust_nnls(a_tp, tpot)
-    else:
-        step, tp_kept = np.array([float(np.median(tpot)), 0.0]), np.ones(len(tpot), dtype=bool)
-    a, b = float(step[0]), float(step[1])
-    tp_rms, tp_max = _residuals(a_tp, step, tpot)
     # The first token: prefill's (it computes the first output token), then the transfer's tail.
     # Where the node recorded its phases, the waits come off TTFT (the replay queues on its own)
     # and prefill's and the transfer's rates are fitted to their own measured times.
@@ -221,6 +219,21 @@ def fit(samples: Sequence[Sample], prior: Calibration | None = None) -> Calibrat
         used = [*rest, *(k for k in fixed if k not in rest)]
     else:
         coef, tt_kept = _fit_first_token(columns, used, y)
+    # The decode step, as the simulator charges it: a + (batch - 1) / prefill_rate + b * the
+    # contexts of the batch summed. Where the recording shows which requests decoded at once
+    # (`batch`, `batch_context`: their means over the request's decode), a request's TPOT holds
+    # the others' cost, which the replay charges again for its own batches: it comes off first.
+    per_token = coef["computed"]
+    ctx = np.array([s.batch_context or (s.prompt + s.output / 2) for s in steps], dtype=np.float64)
+    others = np.array([max(0.0, (s.batch or 1.0) - 1.0) for s in steps], dtype=np.float64)
+    tpot = np.array([s.tpot_s for s in steps], dtype=np.float64) - others * per_token
+    a_tp = np.column_stack([np.ones_like(ctx), ctx])
+    if np.ptp(ctx) > 0:
+        step, tp_kept = robust_nnls(a_tp, tpot)
+    else:
+        step, tp_kept = np.array([max(0.0, float(np.median(tpot))), 0.0]), np.ones(len(tpot), dtype=bool)
+    a, b = float(step[0]), float(step[1])
+    tp_rms, tp_max = _residuals(a_tp, step, tpot)
     a_tt = np.column_stack([columns[k] for k in used])
     tt_rms, tt_max = _residuals(a_tt, np.array([coef[k] for k in used]), y)
     return Calibration(

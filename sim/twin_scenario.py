@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
+import numpy as np
 
 from hicache.core.config import DecodeConfig, hicache_ratio_of
 from hicache.scenarios.scenario import (
@@ -227,12 +228,45 @@ def header_costs(facts: NodeFacts) -> Calibration:
     )
 
 
+def decode_overlap(rec: Recording) -> dict[str, tuple[float, float]]:
+    """Each request's decode (from its first token to its end, as recorded) and, over it, the
+    mean number of requests decoding at once (itself included) and the mean of their contexts
+    summed (a request's context: its prompt and half its output). Requests whose end is not
+    recorded are left out. One sweep over the decodes' starts and ends."""
+    spans = []
+    for r in rec.requests:
+        if r.ttft_s is None or r.finished is None:
+            continue
+        start, end = r.arrival + r.ttft_s, r.finished
+        if end > start:
+            spans.append((r.id, start, end, r.input_length + r.output_length / 2))
+    if not spans:
+        return {}
+    edges = sorted([(s, 1.0, c) for _, s, _, c in spans] + [(e, -1.0, -c) for _, _, e, c in spans])
+    times = np.array([t for t, _, _ in edges])
+    count = np.cumsum([d for _, d, _ in edges])  # in force from each edge to the next
+    context = np.cumsum([c for _, _, c in edges])
+    gaps = np.diff(times)
+    area_n = np.concatenate([[0.0], np.cumsum(count[:-1] * gaps)])
+    area_c = np.concatenate([[0.0], np.cumsum(context[:-1] * gaps)])
+    out = {}
+    for rid, start, end, _ in spans:
+        span = end - start
+        n = (np.interp(end, times, area_n) - np.interp(start, times, area_n)) / span
+        c = (np.interp(end, times, area_c) - np.interp(start, times, area_c)) / span
+        out[rid] = (max(1.0, float(n)), float(c))
+    return out
+
+
 def samples(rec: Recording) -> list[Sample]:
     """The requests as the fit reads them: prefill computed what neither it nor (without a
     recorded prefill count) the decode node had cached; P->D carried what the decode node lacked
-    (the recorded count, else the prompt less its cached tokens)."""
+    (the recorded count, else the prompt less its cached tokens); the decode batches each one
+    shared (`decode_overlap`)."""
     out = []
+    batches = decode_overlap(rec)
     for r in rec.requests:
+        batch, batch_context = batches.get(r.id, (None, None))
         cached = r.prefill_cached if r.prefill_cached is not None else sum(r.cached)
         transferred = r.transferred if r.transferred is not None else r.input_length - sum(r.cached)
         out.append(
@@ -248,6 +282,8 @@ def samples(rec: Recording) -> list[Sample]:
                 queued_s=r.queued_s,
                 compute_s=r.phases.get("prefill_compute_s"),
                 transfer_s=r.phases.get("transfer_s"),
+                batch=batch,
+                batch_context=batch_context,
             )
         )
     return out

@@ -594,6 +594,70 @@ def test_phases_with_an_outlier_and_too_few_rows_still_calibrate() -> None:
     assert cal.phased_rows == 2 and cal.prefill_tokens_per_s > 0 and not cal.fallbacks
 
 
+@settings(max_examples=15, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    a=st.floats(0.005, 0.1),
+    b=st.floats(0.0, 1e-4),
+    k=st.floats(1e-4, 5e-3),
+)
+def test_a_decode_batch_s_other_requests_come_off_tpot(seed: int, a: float, b: float, k: float) -> None:
+    """Requests that decoded beside others measured a TPOT holding the batch's cost, which the
+    replay charges again for its own batches: with the batches recorded, the fit gives back the
+    step of one request (a, with prefill's per-token cost k for each other request and b per
+    token of the batch's contexts)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    rows = []
+    for _ in range(30):
+        prompt, computed = int(rng.integers(50, 500)), int(rng.integers(10, 50))
+        n, context = float(rng.uniform(1.0, 4.0)), float(rng.uniform(100.0, 2000.0))
+        tpot = a + (n - 1.0) * k + b * context  # its own step, the others' compute, the batch's contexts
+        rows.append(
+            twin.Sample(prompt, 10, computed, 0, 0, 0.01 + k * computed, tpot, batch=n, batch_context=context)
+        )
+    cal = twin.fit(rows)
+    assert 1.0 / cal.prefill_tokens_per_s == pytest.approx(k, rel=1e-6)
+    assert cal.decode_step_s == pytest.approx(a, rel=1e-6, abs=1e-12)
+    assert cal.decode_step_per_context_token_s == pytest.approx(b, rel=1e-5, abs=1e-12)
+
+
+def _decoding(rid: str, start: float, end: float, prompt: int) -> twin.Recorded:
+    """A request whose decode runs from `start` to `end` (its first token at its arrival)."""
+    return twin.Recorded(
+        id=rid, line=0, arrival=start, input_length=prompt, output_length=4, block_ids=(), session="",
+        cached=(0, 0, 0), prefill_cached=None, transferred=None, ttft_s=0.0, tpot_s=None,
+        finish_reason="length", finished=end,
+    )  # fmt: skip
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    prompts=st.lists(st.integers(1, 500), min_size=1, max_size=8),
+    length=st.floats(0.1, 3.0),
+    gap=st.floats(0.0, 1.0),
+)
+def test_decode_overlap_counts_the_requests_decoding_at_once(
+    prompts: list[int], length: float, gap: float
+) -> None:
+    """Decodes that never overlap are each alone with their own context (prompt + half the
+    output); k decodes of one span share it, each seeing k requests and their k contexts."""
+    from hicache.sim import twin_scenario
+
+    apart = [
+        _decoding(f"r{i}", i * (length + gap), i * (length + gap) + length, p) for i, p in enumerate(prompts)
+    ]
+    got = twin_scenario.decode_overlap(twin.Recording(Path("apart.jsonl"), {}, PAGE, tuple(apart)))
+    for r in apart:
+        assert got[r.id] == pytest.approx((1.0, r.input_length + 2.0), rel=1e-9)
+    together = [_decoding(f"r{i}", 1.0, 1.0 + length, p) for i, p in enumerate(prompts)]
+    got = twin_scenario.decode_overlap(twin.Recording(Path("together.jsonl"), {}, PAGE, tuple(together)))
+    total = sum(p + 2.0 for p in prompts)
+    for r in together:
+        assert got[r.id] == pytest.approx((len(prompts), total), rel=1e-9)
+
+
 def test_too_few_measured_requests_cannot_be_calibrated() -> None:
     one = twin.Sample(prompt=100, output=5, computed=100, l2=0, l3=0, ttft_s=0.1, tpot_s=0.01)
     with pytest.raises(ValueError, match="at least 2 requests"):
