@@ -216,7 +216,7 @@ def fit(samples: Sequence[Sample], prior: Calibration | None = None) -> Calibrat
         rest = [k for k in used if k not in fixed]
         coef, tt_kept = _fit_first_token(columns, rest, y - known)
         coef |= fixed
-        used = [*rest, *(k for k in fixed if k not in rest)]
+        used = [*rest, *fixed]
     else:
         coef, tt_kept = _fit_first_token(columns, used, y)
     # The decode step, as the simulator charges it: a + (batch - 1) / prefill_rate + b * the

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 import attrs
@@ -13,6 +13,7 @@ import numpy as np
 
 from hicache.core import commands as cmd
 from hicache.core.config import DecodeConfig
+from hicache.core.door_slots import Slots
 from hicache.core.router import Router
 from hicache.faults import FaultSpec
 from hicache.results import RequestRecord, RunTally, summarize
@@ -25,6 +26,8 @@ from hicache.sim.faults import SimFaults
 from hicache.sim.prefill import PrefillJob, PrefillNode
 from hicache.sim.sessions import ClosedLoop
 from hicache.sim.store import SharedStore
+
+DOOR_QUEUE = 1 << 62  # the front door's queue: unbounded
 
 
 @attrs.frozen(slots=True)
@@ -122,11 +125,13 @@ class Cluster:
         self._on_record: Callable[[RequestRecord], None] | None = None
         self._tally: RunTally | None = None
         self._streamed = False
-        # The front door: requests waiting in arrival order (with their tokens), and the tokens
-        # of each request it let in; a request's arrival at the door, for its record.
-        self._door_queue: deque[tuple[WorkItem, int]] = deque()
-        self._door_held: dict[str, int] = {}
-        self._door_tokens = 0
+        # The front door (None: none), as `hicache serve`'s admission decides; its queue never
+        # refuses (a replay has no client to answer 503). The requests waiting at it, and each
+        # request's arrival there, for its record.
+        self._door: Slots | None = None
+        if s.door_max_running > 0:
+            self._door = Slots(s.door_max_running, DOOR_QUEUE, s.door_max_tokens)
+        self._door_waiting: dict[str, WorkItem] = {}
         self._door_arrival: dict[str, float] = {}
         # When a list: each door event as (what, request, requests let in, their tokens) just
         # after it, what being "arrive", "enter" or "leave" (for tests and traces).
@@ -242,44 +247,35 @@ class Cluster:
             raise ValueError(
                 f"request {item.id} is closed-loop (think set), but the items came as an iterator"
             )
-        if self.setup.door_max_running <= 0:
+        door = self._door
+        if door is None:
             self._dispatch(item, page, model)
             return
         self._door_arrival[item.id] = self.loop.now
         self._door_note("arrive", item.id)
         need = item.prompt_len + min(max(1, item.output_len), self.setup.decode.decode_reserve_tokens)
-        if not self._door_queue and self._door_fits(need):
-            self._door_enter(item, need)
+        if door.arrive(item.id, need) == "run":
+            self._door_enter(item)
         else:
-            self._door_queue.append((item, need))
+            self._door_waiting[item.id] = item
 
-    def _door_fits(self, need: int) -> bool:
-        """`hicache serve`'s admission (`runtime/serving/admission.py`): a free slot, and the
-        tokens, unless nothing runs."""
-        s = self.setup
-        if len(self._door_held) >= s.door_max_running:
-            return False
-        return not s.door_max_tokens or not self._door_held or self._door_tokens + need <= s.door_max_tokens
-
-    def _door_enter(self, item: WorkItem, need: int) -> None:
-        self._door_held[item.id] = need
-        self._door_tokens += need
+    def _door_enter(self, item: WorkItem) -> None:
         self._door_note("enter", item.id)
         self._dispatch(item, self.setup.decode.page_size, self.setup.model_name)
 
     def _door_leave(self, rid: str) -> None:
         """A request ended: the heads of the door's queue that fit now go in, in order."""
-        need = self._door_held.pop(rid, None)
-        if need is None:
+        door = self._door
+        if door is None or rid not in door.held:
             return
-        self._door_tokens -= need
-        self._door_note("leave", rid)
-        while self._door_queue and self._door_fits(self._door_queue[0][1]):
-            self._door_enter(*self._door_queue.popleft())
+        if self.door_log is not None:  # as it leaves, before the requests behind it go in
+            self.door_log.append(("leave", rid, door.running - 1, door.tokens - door.held[rid]))
+        for queued in door.leave(rid):
+            self._door_enter(self._door_waiting.pop(str(queued)))
 
     def _door_note(self, what: str, rid: str) -> None:
-        if self.door_log is not None:
-            self.door_log.append((what, rid, len(self._door_held), self._door_tokens))
+        if self.door_log is not None and self._door is not None:
+            self.door_log.append((what, rid, self._door.running, self._door.tokens))
 
     def _dispatch(self, item: WorkItem, page: int, model: str) -> None:
         keys = self._keys[item.id] if self._keys is not None else item.sequence_keys(page, model)

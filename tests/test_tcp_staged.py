@@ -82,6 +82,21 @@ async def run(p: Pair, op: Op, local: str, lp: list[int], remote: str, rp: list[
     p.a.release(h)
 
 
+async def moved(
+    p: Pair, op: Op, local: str, lp: list[int], remote: str, rp: list[int], span: Span | None = None
+) -> None:
+    """`run` one transfer and check the destination pool: exactly the pages (or the span of them)
+    named hold the source's bytes, and nothing else changed."""
+    a_pages, b_pages = (lp, rp) if op == "WRITE" else (rp, lp)
+    src = p.pool("a", local) if op == "WRITE" else p.pool("b", remote)
+    dst = p.pool("b", remote) if op == "WRITE" else p.pool("a", local)
+    cols = slice(None) if span is None else slice(span.offset, span.offset + span.length)
+    expected = dst.clone()
+    expected[b_pages, cols] = src[a_pages, cols]
+    await run(p, op, local, lp, remote, rp, **({} if span is None else {"span": span}))
+    assert torch.equal(dst, expected)
+
+
 def cpu(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu")
 
@@ -92,12 +107,7 @@ def cpu(t: torch.Tensor) -> torch.Tensor:
 
 async def test_a_write_into_a_staged_region_lands_exactly_and_only_on_its_pages() -> None:
     async with pair(1) as p:
-        src, dst = p.pool("a", "plain"), p.pool("b", "staged")
-        lp, rp = [5, 0, 3], [2, 7, 4]  # page 7 then 4: not one run of pages
-        expected = dst.clone()
-        expected[rp] = src[lp]
-        await run(p, "WRITE", "plain", lp, "staged", rp)
-        assert torch.equal(dst, expected)
+        await moved(p, "WRITE", "plain", [5, 0, 3], "staged", [2, 7, 4])  # 7 then 4: not one run
         assert p.b.staging_allocations(p.region("b", "staged")) == 1
 
 
@@ -105,42 +115,22 @@ async def test_a_write_span_into_a_staged_region_lands_only_its_span(monkeypatch
     # A span's copy is cut into pieces of at most two pages' spans (pages 3 and 4, then 5 and 0).
     monkeypatch.setattr(tcp_wire, "SPAN_SCRATCH_BYTES", 2 * 200)
     async with pair(2) as p:
-        src, dst = p.pool("a", "plain"), p.pool("b", "staged")
-        lp, rp, lo, hi = [1, 2, 7, 6], [3, 4, 5, 0], 100, 300
-        expected = dst.clone()
-        expected[rp, lo:hi] = src[lp, lo:hi]
-        await run(p, "WRITE", "plain", lp, "staged", rp, span=Span(lo, hi - lo))
-        assert torch.equal(dst, expected)
+        await moved(p, "WRITE", "plain", [1, 2, 7, 6], "staged", [3, 4, 5, 0], Span(100, 200))
 
 
 async def test_a_write_span_from_a_staged_region_sends_only_its_span() -> None:
     async with pair(3) as p:
-        src, dst = p.pool("a", "staged"), p.pool("b", "plain")
-        lp, rp, lo, hi = [7, 1], [0, 5], 0, 64
-        expected = dst.clone()
-        expected[rp, lo:hi] = src[lp, lo:hi]
-        await run(p, "WRITE", "staged", lp, "plain", rp, span=Span(lo, hi - lo))
-        assert torch.equal(dst, expected)
+        await moved(p, "WRITE", "staged", [7, 1], "plain", [0, 5], Span(0, 64))
 
 
 async def test_a_read_from_a_staged_region_returns_its_pages_in_order() -> None:
     async with pair(4) as p:
-        src, dst = p.pool("b", "staged"), p.pool("a", "plain")
-        lp, rp = [0, 1, 2, 3], [6, 5, 1, 2]
-        expected = dst.clone()
-        expected[lp] = src[rp]
-        await run(p, "READ", "plain", lp, "staged", rp)
-        assert torch.equal(dst, expected)
+        await moved(p, "READ", "plain", [0, 1, 2, 3], "staged", [6, 5, 1, 2])
 
 
 async def test_a_read_into_a_staged_region_lands_exactly_and_only_on_its_pages() -> None:
     async with pair(5) as p:
-        src, dst = p.pool("b", "plain"), p.pool("a", "staged")
-        lp, rp = [4, 2], [3, 4]
-        expected = dst.clone()
-        expected[lp] = src[rp]
-        await run(p, "READ", "staged", lp, "plain", rp)
-        assert torch.equal(dst, expected)
+        await moved(p, "READ", "staged", [4, 2], "plain", [3, 4])
 
 
 async def test_staged_is_chosen_by_where_the_tensor_lives_unless_asked_for() -> None:

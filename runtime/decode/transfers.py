@@ -294,9 +294,8 @@ def _phases(timing: object, before: float, exchange: float) -> dict[str, float]:
     parts = {}
     if isinstance(timing, dict):
         for key, name in (("wait_s", "prefill_wait_s"), ("compute_s", "prefill_compute_s")):
-            v = timing.get(key)
-            if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v >= 0:
-                parts[name] = float(v)
+            if (v := protocol.seconds(timing.get(key))) is not None:
+                parts[name] = v
     if len(parts) == 2 and sum(parts.values()) <= exchange + ROUNDING_S:
         out.update({k: round(v, 6) for k, v in parts.items()})
         exchange -= sum(parts.values())

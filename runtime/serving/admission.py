@@ -4,26 +4,24 @@ it at admission), at most `max_queued` more waiting here in arrival order, and a
 `Retry-After` at once for the next one, rather than accepting work that would only wait
 (SGLang's `--max-running-requests` and `--max-queued-requests`).
 
-`Slots` holds the decisions as plain state (property-tested); `Admission` drives it from trio
+`Slots` (`hicache.core.door_slots`, which the simulator's front door uses too) holds the
+decisions as plain state (property-tested); `Admission` drives it from trio
 tasks: a queued request waits on an event, and a slot that frees passes straight to the head of
 the queue, so a request never overtakes one that came before it.
 """
 
 from __future__ import annotations
 
-import collections
 import math
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Literal
 
-import attrs
 import trio
 
+from hicache.core.door_slots import Slots
 from hicache.runtime.serving.errors import ApiError
 
-Decision = Literal["run", "queued", "refused"]
 RETRY_AFTER_MAX_S = 60
 _EWMA = 0.2  # weight of the newest request's duration in the mean a Retry-After is guessed from
 
@@ -35,75 +33,6 @@ class Overloaded(ApiError):
         super().__init__(503, message, type="server_error", code="overloaded")
         self.retry_after_s = retry_after_s
         self.headers = {"Retry-After": str(retry_after_s)}
-
-
-@attrs.define
-class Slots:
-    """Who runs and who waits. A request needs a slot (`max_running`) and its tokens of the
-    decode nodes' L1 (`max_tokens`, 0: not counted; a request alone always fits, as the limits
-    checked before let only what a node can hold through). Invariants: `running <=
-    max_running`, `tokens <= max_tokens` unless one request runs alone, `len(queue) <=
-    max_queued`, and the queue's head waits only while it does not fit: requests start in
-    arrival order, none overtakes another."""
-
-    max_running: int
-    max_queued: int
-    max_tokens: int = 0
-    running: int = 0
-    tokens: int = 0
-    queue: collections.deque[tuple[int, int]] = attrs.field(factory=collections.deque)
-    held: dict[int, int] = attrs.field(factory=dict)  # running ticket -> its tokens
-
-    def __attrs_post_init__(self) -> None:
-        if self.max_running < 1 or self.max_queued < 0 or self.max_tokens < 0:
-            raise ValueError(
-                f"admission: expected max_running >= 1, max_queued >= 0 and max_tokens >= 0, "
-                f"got {self.max_running}, {self.max_queued} and {self.max_tokens}"
-            )
-
-    def fits(self, need: int) -> bool:
-        if self.running >= self.max_running:
-            return False
-        return not self.max_tokens or not self.running or self.tokens + need <= self.max_tokens
-
-    def arrive(self, ticket: int, need: int = 0) -> Decision:
-        if not self.queue and self.fits(need):
-            self._start(ticket, need)
-            return "run"
-        if len(self.queue) >= self.max_queued:
-            return "refused"
-        self.queue.append((ticket, need))
-        return "queued"
-
-    def leave(self, ticket: int) -> list[int]:
-        """A running request ended: the queued requests that fit now start (returned, in order)."""
-        if ticket not in self.held:
-            raise ValueError(f"admission: request {ticket} left but was not running")
-        self.tokens -= self.held.pop(ticket)
-        self.running -= 1
-        return self._start_heads()
-
-    def withdraw(self, ticket: int) -> list[int] | None:
-        """A queued request gave up (its client left): None if it was not queued, else the
-        requests behind it that start now that it no longer holds them up."""
-        for i, (queued, _) in enumerate(self.queue):
-            if queued == ticket:
-                del self.queue[i]
-                return self._start_heads() if i == 0 else []
-        return None
-
-    def _start(self, ticket: int, need: int) -> None:
-        self.running += 1
-        self.tokens += need
-        self.held[ticket] = need
-
-    def _start_heads(self) -> list[int]:
-        started = []
-        while self.queue and self.fits(self.queue[0][1]):
-            ticket, need = self.queue.popleft()
-            self._start(ticket, need)
-            started.append(ticket)
-        return started
 
 
 class Admission:

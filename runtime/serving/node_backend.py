@@ -8,7 +8,6 @@ are kept for reuse once their request ended cleanly, up to `idle_connections`.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import AsyncGenerator, Mapping
 from typing import Any
 
@@ -171,11 +170,7 @@ def _phases(value: object) -> dict[str, float] | None:
     """A result's `phases` (seconds by name), the non-negative finite ones; None when none."""
     if not isinstance(value, dict):
         return None
-    out = {
-        str(k): float(v)
-        for k, v in value.items()
-        if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
-    }
+    out = {str(k): v for k, v in ((k, protocol.seconds(v)) for k, v in value.items()) if v is not None}
     return out or None
 
 

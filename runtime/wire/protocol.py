@@ -254,6 +254,14 @@ def int_field(obj: dict[str, Any], name: str, *, low: int = 0, high: int = 1 << 
     return value
 
 
+def seconds(value: object) -> float | None:
+    """A duration a peer reported: a finite number >= 0 as a float, else None (not an error:
+    a peer's timing informs an account, it never decides anything)."""
+    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value >= 0:
+        return float(value)
+    return None
+
+
 def text(obj: dict[str, Any], name: str) -> str:
     """A string field that is valid Unicode text (no lone surrogates, which have no UTF-8)."""
     value = field(obj, name, str)
